@@ -1,0 +1,1 @@
+"""tito's Envoy external processor: render, schedule, token-only rewrite, derender."""

@@ -1,0 +1,56 @@
+"""The `tito` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from ext_proc.config import load_config
+
+
+def _processor(args: argparse.Namespace) -> int:
+    from ext_proc.server import serve
+
+    asyncio.run(serve(load_config(args.config)))
+    return 0
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from ext_proc.envoy_config import render_bootstrap
+
+    text = render_bootstrap(load_config(args.config))
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ext_proc.local_stack import run_up
+
+    return run_up(load_config(args.config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tito", description="token-in/token-out gateway for LLM serving")
+    parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="run the local stack: render sidecar, CPU vLLM engine, processor, Envoy").set_defaults(
+        func=_up
+    )
+    sub.add_parser("processor", help="run the ext_proc gRPC server").set_defaults(func=_processor)
+    envoy = sub.add_parser("envoy-config", help="write the Envoy bootstrap for the config")
+    envoy.add_argument("--out", help="file to write (default: stdout)")
+    envoy.set_defaults(func=_envoy_config)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""One typed config for the whole gateway, from one YAML file plus environment overrides.
+
+Overrides: `TITO__<SECTION>__<KEY>=value` (double underscores nest, case-insensitive keys,
+values parsed as YAML so `TITO__RENDER_CONFIG__ENDPOINT__PORT=8101` is an int and
+`TITO__POOLS='[{name: union, instances: [{host: 127.0.0.1, port: 8201}]}]'` a list).
+The config file is `--config`, else `$TITO_CONFIG`, else defaults that work locally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENV_PREFIX = "TITO__"
+MiB = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Endpoint(_Strict):
+    host: str = "127.0.0.1"
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class ListenerConfig(_Strict):
+    """Envoy's OpenAI-facing listener and its admin port."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_port: int = 9901
+    max_request_bytes: int = 32 * MiB
+    stream_idle_timeout_s: int = 300
+
+
+class ProcessorConfig(_Strict):
+    """The gRPC ext_proc server Envoy talks to."""
+
+    host: str = "127.0.0.1"
+    port: int = 9002
+    grpc_max_message_bytes: int = 64 * MiB
+    http_max_connections: int = 256
+
+
+class RenderConfig(_Strict):
+    enable: bool = True
+    endpoint: Endpoint = Endpoint(port=8100)
+    timeout_ms: int = 5000
+    renderer_num_workers: int = 4
+    image_name: str = "vllm/vllm-openai:v0.32.0"
+
+
+class ModelConfig(_Strict):
+    """Read once and shared by the render sidecar and every engine, so both tokenize alike."""
+
+    path: str | None = None  # None: `tito up` generates a tiny model into local.cache_dir
+    served_name: str = "tiny"
+    max_model_len: int = 2048
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    @property
+    def has_parser(self) -> bool:
+        return bool(self.reasoning_parser or self.tool_call_parser)
+
+
+class PoolConfig(_Strict):
+    name: str = "union"
+    role: Literal["union", "prefill", "decode"] = "union"
+    instances: list[Endpoint] = Field(default_factory=lambda: [Endpoint(port=8200)])
+
+    @property
+    def cluster_name(self) -> str:
+        return f"pool_{self.name}"
+
+
+class SchedulerConfig(_Strict):
+    policy: Literal["round_robin"] = "round_robin"
+
+
+class LocalStackConfig(_Strict):
+    """What `tito up` needs beyond the gateway itself."""
+
+    cache_dir: str = "~/.cache/tito"
+    engine_kv_cache_gib: int = 1
+    startup_timeout_s: int = 300
+
+
+class TitoConfig(_Strict):
+    listener: ListenerConfig = ListenerConfig()
+    processor: ProcessorConfig = ProcessorConfig()
+    render_config: RenderConfig = RenderConfig()
+    model: ModelConfig = ModelConfig()
+    pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
+    scheduler: SchedulerConfig = SchedulerConfig()
+    local: LocalStackConfig = LocalStackConfig()
+
+    @model_validator(mode="after")
+    def _one_union_pool(self) -> TitoConfig:
+        if [p.role for p in self.pools] != ["union"]:
+            raise ValueError("exactly one pool with role 'union' is supported for now")
+        if not self.pools[0].instances:
+            raise ValueError("the union pool needs at least one instance")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    node[path[-1]] = value
+
+
+def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    for name, value in sorted(env.items()):
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+            _set_path(raw, path, yaml.safe_load(value) if value != "" else None)
+    return raw
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> TitoConfig:
+    env = os.environ if env is None else env
+    path = path or env.get("TITO_CONFIG")
+    raw: dict[str, Any] = {}
+    if path:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the config must be a YAML mapping")
+    return TitoConfig.model_validate(apply_env_overrides(raw, env))

@@ -1,0 +1,34 @@
+"""Writes the Envoy bootstrap (envoy/envoy.yaml.j2) from the gateway config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+from ext_proc.config import TitoConfig
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
+TEMPLATE = "envoy.yaml.j2"
+
+
+def render_bootstrap(config: TitoConfig) -> str:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    return env.get_template(TEMPLATE).render(
+        listener=config.listener,
+        processor=config.processor,
+        pools=config.pools,
+        pool=config.pools[0],
+    )
+
+
+def write_bootstrap(config: TitoConfig, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_bootstrap(config))
+    return out

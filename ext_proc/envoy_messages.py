@@ -1,0 +1,113 @@
+"""Builders for the ext_proc ProcessingResponse messages tito sends back to Envoy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.protobuf import struct_pb2
+
+from protos.stubs import core_pb, ext_proc_pb
+
+LB_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+# Envoy forwards body pieces of at most this size (envoy-ext-proc.md §2).
+MAX_BODY_PIECE = 62 * 1024
+
+Headers = dict[str, str]
+
+
+def header_map(message: ext_proc_pb.HttpHeaders) -> Headers:
+    """Envoy's headers as a dict (lower-case names; Envoy 1.40 sends raw_value)."""
+    return {h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers}
+
+
+def _header_mutation(set_headers: Headers | None, remove: Iterable[str]) -> ext_proc_pb.HeaderMutation:
+    return ext_proc_pb.HeaderMutation(
+        set_headers=[
+            core_pb.HeaderValueOption(
+                header=core_pb.HeaderValue(key=k, raw_value=v.encode()),
+                append_action=core_pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for k, v in (set_headers or {}).items()
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def _common(set_headers: Headers | None = None, remove: Iterable[str] = ()) -> ext_proc_pb.CommonResponse:
+    return ext_proc_pb.CommonResponse(header_mutation=_header_mutation(set_headers, remove))
+
+
+def request_headers_reply(
+    set_headers: Headers | None = None, remove: Iterable[str] = (), destination: str | None = None
+) -> ext_proc_pb.ProcessingResponse:
+    response = ext_proc_pb.ProcessingResponse(
+        request_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, remove))
+    )
+    if destination is not None:
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {DESTINATION_KEY: destination}})
+        response.dynamic_metadata.CopyFrom(metadata)
+    return response
+
+
+def response_headers_reply(set_headers: Headers | None = None, remove: Iterable[str] = ()) -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(response_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, remove)))
+
+
+def _streamed(body: bytes, end_of_stream: bool) -> ext_proc_pb.CommonResponse:
+    return ext_proc_pb.CommonResponse(
+        body_mutation=ext_proc_pb.BodyMutation(
+            streamed_response=ext_proc_pb.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+        )
+    )
+
+
+def request_body_replies(body: bytes, end_of_stream: bool = True) -> list[ext_proc_pb.ProcessingResponse]:
+    """A new request body, in pieces Envoy accepts; `end_of_stream` on the last one."""
+    pieces = [body[i : i + MAX_BODY_PIECE] for i in range(0, len(body), MAX_BODY_PIECE)] or [b""]
+    return [
+        ext_proc_pb.ProcessingResponse(
+            request_body=ext_proc_pb.BodyResponse(response=_streamed(piece, end_of_stream and i == len(pieces) - 1))
+        )
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def response_body_reply(body: bytes, end_of_stream: bool) -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(response_body=ext_proc_pb.BodyResponse(response=_streamed(body, end_of_stream)))
+
+
+def request_trailers_reply() -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(request_trailers=ext_proc_pb.TrailersResponse())
+
+
+def response_trailers_reply() -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(response_trailers=ext_proc_pb.TrailersResponse())
+
+
+def local_response_headers(status: int, content_type: str) -> ext_proc_pb.ProcessingResponse:
+    """Start of a response the processor owns (no upstream is contacted). No content-length."""
+    headers = core_pb.HeaderMap(
+        headers=[
+            core_pb.HeaderValue(key=":status", raw_value=str(status).encode()),
+            core_pb.HeaderValue(key="content-type", raw_value=content_type.encode()),
+        ]
+    )
+    return ext_proc_pb.ProcessingResponse(
+        streamed_immediate_response=ext_proc_pb.StreamedImmediateResponse(
+            headers_response=ext_proc_pb.HttpHeaders(headers=headers, end_of_stream=False)
+        )
+    )
+
+
+def local_response_body(body: bytes, end_of_stream: bool) -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(
+        streamed_immediate_response=ext_proc_pb.StreamedImmediateResponse(
+            body_response=ext_proc_pb.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+        )
+    )
+
+
+def local_response(status: int, body: bytes, content_type: str = "application/json") -> list[ext_proc_pb.ProcessingResponse]:
+    return [local_response_headers(status, content_type), local_response_body(body, True)]

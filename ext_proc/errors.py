@@ -1,0 +1,67 @@
+"""OpenAI-compatible errors: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_payload(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> bytes:
+    return orjson.dumps(error_payload(status, message, param, code))
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself with an OpenAI error (or a body passed through)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        body: bytes | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self._body = body
+
+    @property
+    def body(self) -> bytes:
+        """The upstream's own error body when it was passed through unchanged, else ours."""
+        return self._body if self._body is not None else error_body(self.status, self.message, self.param, self.code)
+
+
+def normalize_error_body(status: int, body: bytes) -> bytes:
+    """An upstream error as an OpenAI error: already-OpenAI JSON passes unchanged."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return body
+    text = body.decode("utf-8", "replace").strip() or f"upstream returned HTTP {status}"
+    return error_body(status, text, code=status)

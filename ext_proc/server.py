@@ -1,0 +1,79 @@
+"""The gRPC ExternalProcessor service Envoy streams every HTTP exchange through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+
+from ext_proc.config import TitoConfig
+from ext_proc.derender import DerenderClient
+from ext_proc.exchange import Exchange, Services
+from ext_proc.render import RenderClient
+from protos.stubs import ext_proc_grpc, ext_proc_pb
+from scheduler import Pool, Role, Scheduler, make_policy
+
+log = logging.getLogger("tito.ext_proc")
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    def __init__(self, services: Services) -> None:
+        self._services = services
+
+    async def Process(  # noqa: N802 - the gRPC method name
+        self,
+        request_iterator: AsyncIterator[ext_proc_pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext_proc_pb.ProcessingResponse]:
+        exchange = Exchange(self._services)
+        try:
+            async for message in request_iterator:
+                async for reply in exchange.on_message(message):
+                    yield reply
+        except asyncio.CancelledError:
+            # The client went away (Envoy reset the stream): a normal end.
+            log.debug("stream cancelled in mode %s", exchange.mode.value)
+            raise
+
+
+def build_services(config: TitoConfig, http: httpx.AsyncClient) -> Services:
+    pools = [Pool.of(p.name, Role(p.role), [i.address for i in p.instances]) for p in config.pools]
+    return Services(
+        config=config,
+        render=RenderClient(config.render_config, http),
+        derender=DerenderClient(config.render_config, http, config.model.served_name, config.model.has_parser),
+        scheduler=Scheduler(pools, make_policy(config.scheduler.policy)),
+    )
+
+
+def http_client(config: TitoConfig) -> httpx.AsyncClient:
+    n = config.processor.http_max_connections
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), trust_env=False)
+
+
+async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT or cancellation; in-flight streams get a short grace."""
+    limit = config.processor.grpc_max_message_bytes
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
+    async with http_client(config) as http:
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(build_services(config, http)), server)
+        address = f"{config.processor.host}:{config.processor.port}"
+        server.add_insecure_port(address)
+        await server.start()
+        log.info("ext_proc listening on %s", address)
+        if ready is not None:
+            ready.set()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop(grace=2)

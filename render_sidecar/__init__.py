@@ -1,0 +1,1 @@
+"""The vLLM render sidecar: gateway config -> a `vllm launch render` process."""

