@@ -35,6 +35,13 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(load_config(args.config))
 
 
+def _tiny_model(args: argparse.Namespace) -> int:
+    from ext_proc.tiny_model import ensure_tiny_model
+
+    print(ensure_tiny_model(Path(args.cache_dir or load_config(args.config).local.cache_dir).expanduser()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tito", description="token-in/token-out gateway for LLM serving")
     parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
@@ -47,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     envoy = sub.add_parser("envoy-config", help="write the Envoy bootstrap for the config")
     envoy.add_argument("--out", help="file to write (default: stdout)")
     envoy.set_defaults(func=_envoy_config)
+    tiny = sub.add_parser("tiny-model", help="generate the tiny test model (if missing) and print its path")
+    tiny.add_argument("--cache-dir", help="default: local.cache_dir of the config")
+    tiny.set_defaults(func=_tiny_model)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args))

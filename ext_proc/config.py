@@ -50,7 +50,8 @@ class ListenerConfig(_Strict):
 class ProcessorConfig(_Strict):
     """The gRPC ext_proc server Envoy talks to."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where Envoy reaches the processor
+    listen_host: str = "127.0.0.1"  # what the processor binds (0.0.0.0 in containers)
     port: int = 9002
     grpc_max_message_bytes: int = 64 * MiB
     http_max_connections: int = 256

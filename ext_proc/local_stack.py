@@ -128,7 +128,7 @@ class LocalStack:
         """Processor and Envoy: ready in about a second."""
         self._add("processor", [sys.executable, "-m", "ext_proc.cli", "processor"], self._config_env())
         bootstrap = write_bootstrap(self.config, self.work_dir / "envoy.yaml")
-        envoy = [str(envoy_binary()), "-c", str(bootstrap), "--log-level", "warn", "--base-id", str(os.getpid() % 60000)]
+        envoy = [str(envoy_binary()), "-c", str(bootstrap), "--log-level", "warn", "--disable-hot-restart"]
         self._add("envoy", envoy)
 
     def _config_env(self) -> dict[str, str]:

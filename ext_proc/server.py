@@ -63,7 +63,7 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
     )
     async with http_client(config) as http:
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(build_services(config, http)), server)
-        address = f"{config.processor.host}:{config.processor.port}"
+        address = f"{config.processor.listen_host}:{config.processor.port}"
         server.add_insecure_port(address)
         await server.start()
         log.info("ext_proc listening on %s", address)

