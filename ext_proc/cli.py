@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.set_defaults(func=_tiny_model)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     return int(args.func(args))
 
 
