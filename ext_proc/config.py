@@ -53,6 +53,7 @@ class ProcessorConfig(_Strict):
     host: str = "127.0.0.1"  # where Envoy reaches the processor
     listen_host: str = "127.0.0.1"  # what the processor binds (0.0.0.0 in containers)
     port: int = 9002
+    admin_port: int = 9003  # /health, /debug/state, /metrics (on listen_host)
     grpc_max_message_bytes: int = 64 * MiB
     http_max_connections: int = 256
 
@@ -91,8 +92,32 @@ class PoolConfig(_Strict):
         return f"pool_{self.name}"
 
 
+class BreakerSettings(_Strict):
+    failure_threshold: int = 3  # consecutive engine failures that open an instance's breaker
+    base_cooldown_s: float = 5.0  # first open period; doubles after each failed half-open probe
+    max_cooldown_s: float = 60.0
+
+
 class SchedulerConfig(_Strict):
-    policy: Literal["round_robin"] = "round_robin"
+    policy: Literal["kv_cache_affinity", "load_balance", "round_robin"] = "kv_cache_affinity"
+    block_size: int = 16  # the engines' KV block size (vLLM's default)
+    prefix_index_max_blocks: int = 1 << 20
+    # kv_cache_affinity score (Motor's unified mode), lowest wins
+    prefill_load_scale: float = 1.0
+    overlap_credit: float = 1.0
+    load_weight: float = 1.0
+    hit_rate_threshold: float = 0.0
+    max_fallbacks: int = 2  # other instances Envoy may retry on before the first byte
+    # on: clamp max_tokens to max_model_len - prompt tokens; prompts that do not fit get a 400
+    context_budget_mode: Literal["on", "off"] = "off"
+    breaker: BreakerSettings = BreakerSettings()
+
+
+class AdmissionConfig(_Strict):
+    """Token budgets (prompt tokens + max_tokens of every active request); None is unlimited."""
+
+    global_token_budget: int | None = None
+    instance_token_budget: int | None = None
 
 
 class LocalStackConfig(_Strict):
@@ -110,6 +135,7 @@ class TitoConfig(_Strict):
     model: ModelConfig = ModelConfig()
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     scheduler: SchedulerConfig = SchedulerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     local: LocalStackConfig = LocalStackConfig()
 
     @model_validator(mode="after")

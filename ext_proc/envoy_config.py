@@ -25,6 +25,7 @@ def render_bootstrap(config: TitoConfig) -> str:
         processor=config.processor,
         pools=config.pools,
         pool=config.pools[0],
+        retries=config.scheduler.max_fallbacks,
     )
 
 

@@ -11,6 +11,7 @@ Anything that is not an OpenAI API tito renders passes through untouched.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from uuid import uuid4
@@ -33,11 +34,14 @@ from ext_proc.errors import GatewayError, normalize_error_body
 from ext_proc.openai_api import is_multi_prompt, parse_request
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRequest
 from ext_proc.render import RenderClient
-from ext_proc.token_only import generate_body, max_tokens
+from ext_proc.token_only import generate_body, requested_max_tokens
 from protos.stubs import ext_proc_pb
-from scheduler import ScheduleRequest, Scheduler
+from scheduler import ContextOverflow, Decision, Rejection, ScheduleRequest, Scheduler, clamp_max_tokens
 
 JSON = "application/json"
+# Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read here, never shown to clients.
+UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Services:
     render: RenderClient
     derender: DerenderClient
     scheduler: Scheduler
+    active_exchanges: int = 0
 
 
 class Mode(enum.Enum):
@@ -76,6 +81,23 @@ class Exchange:
         self._derender: StreamDerender | None = None
         self._status = 200
         self._response_done = False
+        self._decision: Decision | None = None
+        self._failed_hosts: list[str] = []
+        self._served_by: str | None = None
+        services.active_exchanges += 1
+        self._closed = False
+
+    def close(self) -> None:
+        """Every exit path (done, error, client gone): release the request's tokens and
+        report what the engines did to their breakers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._services.active_exchanges -= 1
+        if self._decision is not None:
+            self._services.scheduler.finish(
+                self._decision.request_id, time.monotonic(), self._failed_hosts, self._served_by
+            )
 
     async def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")
@@ -100,12 +122,16 @@ class Exchange:
 
     async def _on_request_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         self._request_headers = header_map(message)
-        self._request_id = self._request_headers.get("x-request-id") or uuid4().hex
+        # Our own id, never a client's: it keys the token ledger and the engine's request.
+        self._request_id = uuid4().hex
         method = self._request_headers.get(":method", "")
         self._api = ApiKind.from_path(method, self._request_headers.get(":path", ""))
         if self._api is None:
             self.mode = Mode.PASSTHROUGH
-            yield self._route_unchanged()
+            try:
+                yield self._route_unchanged()
+            except GatewayError:  # no instance admissible: not token work, let Envoy pick
+                yield request_headers_reply(remove=(DESTINATION_KEY,))
         elif message.end_of_stream:
             async for reply in self._answer(GatewayError(400, "request body is required", code="missing_body")):
                 yield reply
@@ -159,20 +185,37 @@ class Exchange:
     async def _route_token_only(self, request: OpenAIRequest, end_of_stream: bool) -> list[ext_proc_pb.ProcessingResponse]:
         tokenized = await self._services.render.render(request, self._request_id)
         prompt = tokenized.prompts[0]
-        decision = self._services.scheduler.schedule(ScheduleRequest(prompt.token_ids, max_tokens(prompt)))
-        body = generate_body(prompt)
+        max_tokens = self._budgeted_max_tokens(len(prompt.token_ids), requested_max_tokens(prompt))
+        decision = self._schedule(ScheduleRequest(tokenized.request_id, prompt.token_ids, max_tokens))
         self._tokenized = tokenized
         self.mode = Mode.ROUTED
         headers = request_headers_reply(
             set_headers={":path": GENERATE_PATH, "content-type": JSON, "x-request-id": tokenized.request_id},
             remove=("content-length", DESTINATION_KEY),
-            destination=decision.instance.address,
+            destination=",".join(decision.hosts),
         )
-        return [headers, *request_body_replies(body, end_of_stream)]
+        return [headers, *request_body_replies(generate_body(prompt, max_tokens), end_of_stream)]
+
+    def _budgeted_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        config = self._services.config
+        if config.scheduler.context_budget_mode != "on":
+            return max_tokens
+        try:
+            return clamp_max_tokens(prompt_tokens, max_tokens, config.model.max_model_len)
+        except ContextOverflow as exc:
+            raise GatewayError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+
+    def _schedule(self, request: ScheduleRequest) -> Decision:
+        outcome = self._services.scheduler.schedule(request, time.monotonic())
+        if isinstance(outcome, Rejection):
+            code = "token_budget_exceeded" if outcome.status == 429 else "no_healthy_instance"
+            raise GatewayError(outcome.status, outcome.reason, code=code)
+        self._decision = outcome
+        return outcome
 
     def _route_unchanged(self) -> ext_proc_pb.ProcessingResponse:
-        decision = self._services.scheduler.schedule(ScheduleRequest([], 0))
-        return request_headers_reply(remove=(DESTINATION_KEY,), destination=decision.instance.address)
+        decision = self._schedule(ScheduleRequest(self._request_id, [], 0))
+        return request_headers_reply(remove=(DESTINATION_KEY,), destination=",".join(decision.hosts))
 
     async def _answer(self, error: GatewayError) -> Replies:
         self.mode = Mode.LOCAL
@@ -182,23 +225,42 @@ class Exchange:
     # -- response path ------------------------------------------------------------------
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
-        if self.mode is not Mode.ROUTED:
-            yield response_headers_reply()
-            return
         headers = header_map(message)
+        self._engine_verdict(headers)
+        if self.mode is not Mode.ROUTED:
+            yield response_headers_reply(remove=(UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER))
+            return
         self._status = int(headers.get(":status", "502"))
         content_type = headers.get("content-type", "")
         assert self._tokenized is not None
         if self._status == 200 and self._tokenized.stream and content_type.startswith("text/event-stream"):
             self.mode = Mode.STREAM
             self._derender = StreamDerender(self._services.derender, self._tokenized)
-            yield response_headers_reply(remove=("content-length",))
+            yield response_headers_reply(remove=("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER))
         else:
             self.mode = Mode.BUFFERED if self._status == 200 else Mode.ERROR
             if message.end_of_stream:
                 async for reply in self._finish_buffered(end_of_stream=True):
                     yield reply
             # otherwise the headers reply waits for the whole body: its status may change
+
+    def _engine_verdict(self, headers: Headers) -> None:
+        """Which engines failed this request and which answered, from what Envoy reports:
+        hosts are tried in override_host order, one per attempt."""
+        if self._decision is None:
+            return
+        hosts = self._decision.hosts
+        attempts = min(int(headers.get(ATTEMPT_COUNT_HEADER, "1") or 1), len(hosts))
+        upstream = headers.get(UPSTREAM_HOST_HEADER, "")
+        status = int(headers.get(":status", "0") or 0)
+        if upstream in hosts:
+            self._failed_hosts = list(hosts[: hosts.index(upstream)])
+            if status >= 500:
+                self._failed_hosts.append(upstream)
+            else:
+                self._served_by = upstream
+        elif status in (502, 503, 504):  # Envoy's own reply: every attempt failed
+            self._failed_hosts = list(hosts[:attempts])
 
     async def _on_response_body(self, message: ext_proc_pb.HttpBody) -> Replies:
         if self._response_done:
@@ -243,6 +305,7 @@ class Exchange:
         else:
             body = normalize_error_body(status, upstream)
         yield response_headers_reply(
-            set_headers={":status": str(status), "content-type": JSON}, remove=("content-length",)
+            set_headers={":status": str(status), "content-type": JSON},
+            remove=("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER),
         )
         yield response_body_reply(body, end_of_stream)

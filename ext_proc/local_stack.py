@@ -97,6 +97,7 @@ class LocalStack:
     def __init__(self, config: TitoConfig, work_dir: Path) -> None:
         self.config = config
         self.work_dir = work_dir
+        work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
         self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
 

@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 import grpc
 import httpx
 
+from ext_proc.admin import start_admin
 from ext_proc.config import TitoConfig
 from ext_proc.derender import DerenderClient
 from ext_proc.exchange import Exchange, Services
 from ext_proc.render import RenderClient
 from protos.stubs import ext_proc_grpc, ext_proc_pb
-from scheduler import Pool, Role, Scheduler, make_policy
+from scheduler import AffinityWeights, BreakerConfig, Pool, PrefixIndex, Role, Scheduler, TokenLedger, make_policy
 
 log = logging.getLogger("tito.ext_proc")
 
@@ -38,15 +39,29 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)
             raise
+        finally:
+            exchange.close()
+
+
+def build_scheduler(config: TitoConfig) -> Scheduler:
+    s = config.scheduler
+    weights = AffinityWeights(s.prefill_load_scale, s.overlap_credit, s.load_weight, s.hit_rate_threshold)
+    return Scheduler(
+        pools=[Pool.of(p.name, Role(p.role), [i.address for i in p.instances]) for p in config.pools],
+        policy=make_policy(s.policy, weights),
+        ledger=TokenLedger(config.admission.global_token_budget, config.admission.instance_token_budget),
+        breaker=BreakerConfig(s.breaker.failure_threshold, s.breaker.base_cooldown_s, s.breaker.max_cooldown_s),
+        prefix_index=PrefixIndex(s.block_size, s.prefix_index_max_blocks),
+        max_fallbacks=s.max_fallbacks,
+    )
 
 
 def build_services(config: TitoConfig, http: httpx.AsyncClient) -> Services:
-    pools = [Pool.of(p.name, Role(p.role), [i.address for i in p.instances]) for p in config.pools]
     return Services(
         config=config,
         render=RenderClient(config.render_config, http),
         derender=DerenderClient(config.render_config, http, config.model.served_name, config.model.has_parser),
-        scheduler=Scheduler(pools, make_policy(config.scheduler.policy)),
+        scheduler=build_scheduler(config),
     )
 
 
@@ -62,11 +77,13 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     )
     async with http_client(config) as http:
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(build_services(config, http)), server)
+        services = build_services(config, http)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), server)
         address = f"{config.processor.listen_host}:{config.processor.port}"
         server.add_insecure_port(address)
         await server.start()
-        log.info("ext_proc listening on %s", address)
+        admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
+        log.info("ext_proc listening on %s, admin on port %d", address, config.processor.admin_port)
         if ready is not None:
             ready.set()
         stop = asyncio.Event()
@@ -76,4 +93,5 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
         try:
             await stop.wait()
         finally:
+            admin.close()
             await server.stop(grace=2)

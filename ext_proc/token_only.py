@@ -7,20 +7,18 @@ import orjson
 from ext_proc.protocol import DEFAULT_MAX_TOKENS, PromptTokens
 
 
-def generate_body(prompt: PromptTokens) -> bytes:
-    """The engine body for one prompt: render's GenerateRequest, with vLLM's pitfalls fixed."""
+def generate_body(prompt: PromptTokens, max_tokens: int) -> bytes:
+    """The engine body for one prompt: render's GenerateRequest with the gateway's final
+    max_tokens (always explicit: see `requested_max_tokens`)."""
     body = dict(prompt.generate_request)
-    params = dict(prompt.sampling_params)
-    # msgspec omits defaults, so a requested max_tokens of 16 vanished from render's output;
-    # generate would then re-default it to the whole remaining context.
-    params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-    body["sampling_params"] = params
+    body["sampling_params"] = {**prompt.sampling_params, "max_tokens": max_tokens}
     # Derender only understands token output; an old engine that ignores this field still
     # answers in tokens, a newer one must not switch modes on us.
     body["output_mode"] = "tokens"
     return orjson.dumps(body)
 
 
-def max_tokens(prompt: PromptTokens) -> int:
-    value = prompt.sampling_params.get("max_tokens", DEFAULT_MAX_TOKENS)
-    return int(value)
+def requested_max_tokens(prompt: PromptTokens) -> int:
+    """max_tokens as render computed it. msgspec omits defaults, so a value of 16 is missing
+    from render's output; generate would then re-default it to the whole remaining context."""
+    return int(prompt.sampling_params.get("max_tokens", DEFAULT_MAX_TOKENS))

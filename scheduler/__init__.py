@@ -1,17 +1,35 @@
 """Pure scheduling: instances and pools in, a dispatch decision out. No I/O, no asyncio."""
 
-from scheduler.dispatch import Decision, ScheduleRequest, Scheduler
+from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from scheduler.context_budget import ContextOverflow, clamp_max_tokens
+from scheduler.dispatch import Decision, Rejection, ScheduleRequest, Scheduler
 from scheduler.instances import Instance, Pool, Role
-from scheduler.policies import Policy, RoundRobin, make_policy
+from scheduler.ledger import Lease, TokenLedger
+from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, LoadBalance, Policy, RoundRobin, make_policy
+from scheduler.prefix_index import PrefixIndex, block_hashes
 
 __all__ = [
+    "AffinityWeights",
+    "BreakerConfig",
+    "BreakerState",
+    "Candidate",
+    "CircuitBreaker",
+    "ContextOverflow",
     "Decision",
     "Instance",
+    "KvCacheAffinity",
+    "Lease",
+    "LoadBalance",
     "Policy",
     "Pool",
+    "PrefixIndex",
+    "Rejection",
     "Role",
     "RoundRobin",
     "ScheduleRequest",
     "Scheduler",
+    "TokenLedger",
+    "block_hashes",
+    "clamp_max_tokens",
     "make_policy",
 ]

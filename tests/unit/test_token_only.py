@@ -3,7 +3,7 @@ from __future__ import annotations
 import orjson
 
 from ext_proc.protocol import PromptTokens
-from ext_proc.token_only import generate_body, max_tokens
+from ext_proc.token_only import generate_body, requested_max_tokens
 
 RENDERED = {
     "request_id": "chatcmpl-1",
@@ -17,17 +17,19 @@ RENDERED = {
 
 def test_max_tokens_16_restored_when_render_omitted_it() -> None:
     prompt = PromptTokens(RENDERED)
-    body = orjson.loads(generate_body(prompt))
+    assert requested_max_tokens(prompt) == 16
+    body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt)))
     assert body["sampling_params"]["max_tokens"] == 16
-    assert max_tokens(prompt) == 16
     assert "max_tokens" not in RENDERED["sampling_params"]  # render output left intact
 
 
-def test_render_fields_pass_through() -> None:
-    rendered = {**RENDERED, "sampling_params": {"max_tokens": 7, "seed": 3}}
-    body = orjson.loads(generate_body(PromptTokens(rendered)))
+def test_render_fields_pass_through_with_the_final_max_tokens() -> None:
+    rendered = {**RENDERED, "sampling_params": {"max_tokens": 700, "seed": 3}}
+    prompt = PromptTokens(rendered)
+    assert requested_max_tokens(prompt) == 700
+    body = orjson.loads(generate_body(prompt, 44))
     assert body["token_ids"] == [1, 2, 3]
-    assert body["sampling_params"] == {"max_tokens": 7, "seed": 3}
+    assert body["sampling_params"] == {"max_tokens": 44, "seed": 3}
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     assert body["output_mode"] == "tokens"
     assert "messages" not in body

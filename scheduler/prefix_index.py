@@ -1,0 +1,90 @@
+"""KV prefix index: which instance served which full blocks of final prompt token ids.
+
+Each full block is hashed with XXH3-64 chained through the seed (block i is hashed with
+block i-1's hash as seed), so one hash names a whole prefix and a flat LRU map suffices.
+Entries are recorded at routing time; memory is bounded by `max_blocks` (LRU eviction).
+Only full blocks count, like vLLM's own prefix cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xxhash
+
+ROOT_SEED = 1337
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of little-endian u32 token ids."""
+    n_blocks = len(token_ids) // block_size
+    if n_blocks == 0:
+        return []
+    words = array("I", token_ids[: n_blocks * block_size])
+    if sys.byteorder != "little":
+        words.byteswap()
+    view = memoryview(words).cast("B")
+    step = block_size * 4
+    hashes = []
+    seed = ROOT_SEED
+    for start in range(0, n_blocks * step, step):
+        seed = xxhash.xxh3_64_intdigest(view[start : start + step], seed=seed)
+        hashes.append(seed)
+    return hashes
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int = 16, max_blocks: int = 1 << 20) -> None:
+        if block_size < 1 or max_blocks < 1:
+            raise ValueError("block_size and max_blocks must be positive")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return block_hashes(token_ids, self.block_size)
+
+    def record(self, hashes: Sequence[int], address: str) -> None:
+        blocks = self._blocks
+        for h in hashes:
+            holders = blocks.get(h)
+            if holders is None:
+                blocks[h] = {address}
+            else:
+                holders.add(address)
+                blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Per instance, how many leading blocks it holds (instances with none are absent)."""
+        matched: dict[str, int] = {}
+        alive: set[str] = set()
+        for depth, h in enumerate(hashes):
+            holders = self._blocks.get(h)
+            if depth == 0:
+                alive = set(holders) if holders else set()
+            else:
+                survivors = alive & holders if holders else set()
+                for address in alive - survivors:
+                    matched[address] = depth
+                alive = survivors
+            if not alive:
+                return matched
+        for address in alive:
+            matched[address] = len(hashes)
+        return matched
+
+    def forget(self, address: str) -> None:
+        """Drop an instance everywhere (it restarted: its KV cache is gone)."""
+        for h in [h for h, holders in self._blocks.items() if address in holders]:
+            holders = self._blocks[h]
+            holders.discard(address)
+            if not holders:
+                del self._blocks[h]
