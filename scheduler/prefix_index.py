@@ -66,10 +66,13 @@ class PrefixIndex:
         """Per instance, how many leading blocks it holds (instances with none are absent)."""
         matched: dict[str, int] = {}
         alive: set[str] = set()
+        blocks = self._blocks
         for depth, h in enumerate(hashes):
-            holders = self._blocks.get(h)
+            holders = blocks.get(h)
             if depth == 0:
                 alive = set(holders) if holders else set()
+            elif holders is not None and alive <= holders:
+                continue  # the common case: everyone still matching holds this block too
             else:
                 survivors = alive & holders if holders else set()
                 for address in alive - survivors:

@@ -43,11 +43,33 @@ class Received:
 
 
 @dataclass
+class Fault:
+    """What goes wrong, on cue. kinds:
+    - `status`: answer `status` (e.g. 500, 503, 404, 501) before any output;
+    - `inband_error`: after `after_tokens` tokens, a `data: {"error": …}` event, then `[DONE]`;
+    - `abort`: after `after_tokens` tokens, drop the TCP connection mid-body;
+    - `stall`: after `after_tokens` tokens, send nothing more (until the client leaves).
+    Refusing connections is `SimServer.stop()` (and `restart()` to come back)."""
+
+    kind: str
+    status: int = 500
+    after_tokens: int = 0
+    times: int | None = None  # how many requests it hits (None: all)
+
+
+class AbortStream(Exception):
+    """Raised inside a streaming body: the server drops the connection mid-response."""
+
+
+@dataclass
 class EngineSim:
     model: str = "tiny"
     host: str = "127.0.0.1"
     port: int = 0
+    ttft_s: float = 0.0
     token_delay_s: float = 0.0
+    tokens: list[int] | None = None  # scripted output for every request (default: from the prompt)
+    fault: Fault | None = None
     received: list[Received] = field(default_factory=list)
 
     @property
@@ -62,6 +84,16 @@ class EngineSim:
         seed = sum(prompt_ids) + len(prompt_ids)
         return [FIRST_ID + (seed + 7 * i) % (VOCAB - FIRST_ID) for i in range(n)]
 
+    def _take_fault(self) -> Fault | None:
+        fault = self.fault
+        if fault is None:
+            return None
+        if fault.times is not None:
+            fault.times -= 1
+            if fault.times <= 0:
+                self.fault = None
+        return fault
+
     # -- routes -------------------------------------------------------------------------
 
     async def _record(self, request: Request) -> bytes:
@@ -75,15 +107,21 @@ class EngineSim:
             return _error(404, f"The model `{body['model']}` does not exist.", "NotFoundError")
         if not body.get("token_ids"):
             return _error(400, "token_ids: List should have at least 1 item", "Bad Request")
+        fault = self._take_fault()
+        if fault is not None and fault.kind == "status":
+            return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         params = body.get("sampling_params") or {}
         max_tokens = int(params.get("max_tokens", 16))
         request_id = "generate-tokens-" + (request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex)
-        tokens = self.script(body["token_ids"], max_tokens)
+        tokens = (self.tokens or self.script(body["token_ids"], max_tokens))[:max_tokens]
         usage = {"prompt_tokens": len(body["token_ids"]), "total_tokens": len(body["token_ids"]) + len(tokens),
                  "completion_tokens": len(tokens)}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request_id, tokens, usage, include_usage), media_type="text/event-stream")
+            events = self._stream(request_id, tokens, usage, include_usage, fault)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if self.ttft_s or self.token_delay_s:
+            await asyncio.sleep(self.ttft_s + self.token_delay_s * len(tokens))
         return JSONResponse({
             "request_id": request_id, "model": self.model, "created": int(time.time()), "usage": {
                 **usage, "prompt_tokens_details": None, "completion_tokens_details": None},
@@ -94,9 +132,23 @@ class EngineSim:
                          "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}], "logprobs": None}],
         })
 
-    async def _stream(self, request_id: str, tokens: list[int], usage: dict[str, int], include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, request_id: str, tokens: list[int], usage: dict[str, int], include_usage: bool, fault: Fault | None
+    ) -> AsyncIterator[bytes]:
+        if self.ttft_s:
+            await asyncio.sleep(self.ttft_s)
         for i, token in enumerate(tokens):
-            if self.token_delay_s:
+            if fault is not None and i == fault.after_tokens:
+                if fault.kind == "inband_error":
+                    yield _sse({"error": {"message": "simulated engine core failure", "type": "InternalServerError",
+                                          "param": None, "code": 500}})
+                    yield b"data: [DONE]\n\n"
+                    return
+                if fault.kind == "abort":
+                    raise AbortStream()
+                if fault.kind == "stall":
+                    await asyncio.Event().wait()
+            if self.token_delay_s and i:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(tokens) - 1
             choice = {"index": 0, "finish_reason": "length" if last else None, "stop_reason": None, "token_ids": [token],
@@ -129,6 +181,19 @@ class EngineSim:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
+    async def control(self, request: Request) -> Response:
+        """Process mode: `POST /sim/control {"ttft_s", "token_delay_s", "tokens", "fault": {…}|null}`;
+        `GET /sim/control` returns what was received."""
+        if request.method == "GET":
+            return JSONResponse([{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received])
+        update = await request.json()
+        for key in ("ttft_s", "token_delay_s", "tokens"):
+            if key in update:
+                setattr(self, key, update[key])
+        if "fault" in update:
+            self.fault = Fault(**update["fault"]) if update["fault"] else None
+        return JSONResponse({"ok": True})
+
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
@@ -136,6 +201,7 @@ class EngineSim:
             Route("/v1/completions", self.native, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/sim/control", self.control, methods=["GET", "POST"]),
         ])
 
     def generate_requests(self) -> list[Received]:
@@ -155,20 +221,32 @@ class SimServer:
 
     def __init__(self, sim: EngineSim) -> None:
         self.sim = sim
-        config = uvicorn.Config(sim.app(), host=sim.host, port=sim.port, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> SimServer:
+        config = uvicorn.Config(self.sim.app(), host=self.sim.host, port=self.sim.port, log_level="critical",
+                                lifespan="off", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"engine simulator could not listen on port {self.sim.port}")
             time.sleep(0.01)
         self.sim.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(5)
+        """Stop listening: connections to this instance are refused from now on."""
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(5)
+
+    def restart(self) -> SimServer:
+        """Listen again on the same port."""
+        self.stop()
+        return self.start()
 
 
 def main() -> None:
