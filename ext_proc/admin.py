@@ -16,7 +16,13 @@ from ext_proc.exchange import Services
 
 
 def state(services: Services) -> dict[str, Any]:
-    return {"active_exchanges": services.active_exchanges, "scheduler": services.scheduler.snapshot()}
+    return {
+        "active_exchanges": services.active_exchanges,
+        "open_http_streams": services.http_streams.open_streams + services.http_streams.in_flight,
+        "native_replays": services.native_replays,
+        "tokenization": services.tokenization.snapshot(),
+        "scheduler": services.scheduler.snapshot(),
+    }
 
 
 def metrics(services: Services) -> str:

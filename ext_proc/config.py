@@ -62,6 +62,7 @@ class RenderConfig(_Strict):
     enable: bool = True
     endpoint: Endpoint = Endpoint(port=8100)
     timeout_ms: int = 5000
+    breaker_cooldown_s: float = 5.0  # after a render failure, requests skip render this long
     renderer_num_workers: int = 4
     image_name: str = "vllm/vllm-openai:v0.32.0"
 

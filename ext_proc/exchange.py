@@ -1,11 +1,14 @@
 """One Envoy HTTP stream, message by message: the processor's per-stream state machine.
 
 Request path (FULL_DUPLEX_STREAMED): the request-headers reply is held back until the body
-is complete, then the request is rendered, scheduled and rewritten into a token-only
-generate body routed by `envoy.lb` metadata, or answered by the processor itself
-(errors). Response path: SSE goes chunk by chunk through streaming derender; JSON is
-collected and derendered once; non-2xx and Envoy's own replies become OpenAI errors.
-Anything that is not an OpenAI API tito renders passes through untouched.
+is complete. Then the request is tokenized (render, or the local tokenizer when render
+fails), admitted and scheduled on those ids, and either rewritten into a token-only generate
+body or sent down the native path (original OpenAI body) — both routed by `envoy.lb`
+metadata — or answered by the processor itself (errors, 429).
+Response path: SSE goes chunk by chunk through streaming derender; JSON is collected and
+derendered once; non-2xx and Envoy's own replies become OpenAI errors; an engine without
+token-only generate (404/501, nothing sent yet) gets the request once more on its native
+endpoint. Anything that is not an OpenAI API tito renders passes through untouched.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from uuid import uuid4
+
+import httpx
+import orjson
 
 from ext_proc.config import TitoConfig
 from ext_proc.derender import DerenderClient, StreamDerender, derender_response
@@ -30,11 +36,12 @@ from ext_proc.envoy_messages import (
     response_headers_reply,
     response_trailers_reply,
 )
-from ext_proc.errors import GatewayError, normalize_error_body
-from ext_proc.openai_api import is_multi_prompt, parse_request
+from ext_proc.errors import GatewayError, error_body, normalize_error_body
+from ext_proc.http_client import CountingTransport
+from ext_proc.openai_api import is_multi_prompt, parse_request, requested_completion_tokens
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRequest
-from ext_proc.render import RenderClient
 from ext_proc.token_only import generate_body, requested_max_tokens
+from ext_proc.tokenization import TokenizationService
 from protos.stubs import ext_proc_pb
 from scheduler import ContextOverflow, Decision, Rejection, ScheduleRequest, Scheduler, clamp_max_tokens
 
@@ -42,6 +49,9 @@ JSON = "application/json"
 # Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read here, never shown to clients.
 UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+HIDDEN_RESPONSE_HEADERS = ("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER)
+# What an engine without `/inference/v1/generate` answers (route missing / not implemented).
+TOKEN_ONLY_UNSUPPORTED = frozenset({404, 501})
 
 
 @dataclass
@@ -49,15 +59,18 @@ class Services:
     """What every stream of one processor process shares."""
 
     config: TitoConfig
-    render: RenderClient
+    tokenization: TokenizationService
     derender: DerenderClient
     scheduler: Scheduler
+    http: httpx.AsyncClient
+    http_streams: CountingTransport
     active_exchanges: int = 0
+    native_replays: int = 0
 
 
 class Mode(enum.Enum):
     PENDING = "pending"  # request not complete yet
-    PASSTHROUGH = "passthrough"  # not ours: bodies echoed unchanged
+    PASSTHROUGH = "passthrough"  # native path / not ours: bodies pass unchanged
     LOCAL = "local"  # the processor answered; Envoy sends nothing more
     ROUTED = "routed"  # token-only request sent upstream
     STREAM = "stream"  # routed, upstream answered SSE
@@ -76,7 +89,9 @@ class Exchange:
         self._request_headers: Headers = {}
         self._body = bytearray()
         self._response_body = bytearray()
-        self._request_id = ""
+        # Our own id, never a client's: it keys the token ledger and the engine's request.
+        self._request_id = uuid4().hex
+        self._request: OpenAIRequest | None = None
         self._tokenized: TokenizedRequest | None = None
         self._derender: StreamDerender | None = None
         self._status = 200
@@ -84,8 +99,8 @@ class Exchange:
         self._decision: Decision | None = None
         self._failed_hosts: list[str] = []
         self._served_by: str | None = None
-        services.active_exchanges += 1
         self._closed = False
+        services.active_exchanges += 1
 
     def close(self) -> None:
         """Every exit path (done, error, client gone): release the request's tokens and
@@ -122,14 +137,12 @@ class Exchange:
 
     async def _on_request_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         self._request_headers = header_map(message)
-        # Our own id, never a client's: it keys the token ledger and the engine's request.
-        self._request_id = uuid4().hex
         method = self._request_headers.get(":method", "")
         self._api = ApiKind.from_path(method, self._request_headers.get(":path", ""))
         if self._api is None:
             self.mode = Mode.PASSTHROUGH
             try:
-                yield self._route_unchanged()
+                yield self._native_headers(self._schedule(ScheduleRequest(self._request_id, [], 0)))
             except GatewayError:  # no instance admissible: not token work, let Envoy pick
                 yield request_headers_reply(remove=(DESTINATION_KEY,))
         elif message.end_of_stream:
@@ -163,30 +176,35 @@ class Exchange:
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
         try:
-            request = parse_request(
-                self._api, self._request_headers.get("content-type"), bytes(self._body), self._services.config.model
-            )
+            config = self._services.config
+            request = parse_request(self._api, self._request_headers.get("content-type"), bytes(self._body), config.model)
+            self._request = request
             if is_multi_prompt(request):
                 # Multi-prompt fan-out is processor-owned work still to come; the engine's
                 # own OpenAI endpoint answers correctly meanwhile.
-                self.mode = Mode.PASSTHROUGH
-                yield self._route_unchanged()
-                for reply in request_body_replies(request.raw, end_of_stream):
-                    yield reply
-                return
-            replies = await self._route_token_only(request, end_of_stream)
+                replies = self._route_native(request, self._schedule(ScheduleRequest(self._request_id, [], 0)))
+            else:
+                tokenized = await self._services.tokenization.tokenize(request, self._request_id)
+                replies = self._route(tokenized)
         except GatewayError as error:
             async for reply in self._answer(error):
                 yield reply
             return
         for reply in replies:
+            if reply.HasField("request_body") and not end_of_stream:  # trailers will end the body
+                reply.request_body.response.body_mutation.streamed_response.end_of_stream = False
             yield reply
 
-    async def _route_token_only(self, request: OpenAIRequest, end_of_stream: bool) -> list[ext_proc_pb.ProcessingResponse]:
-        tokenized = await self._services.render.render(request, self._request_id)
+    def _route(self, tokenized: TokenizedRequest) -> list[ext_proc_pb.ProcessingResponse]:
         prompt = tokenized.prompts[0]
-        max_tokens = self._budgeted_max_tokens(len(prompt.token_ids), requested_max_tokens(prompt))
+        prompt_len = len(prompt.token_ids)
+        if tokenized.complete:
+            max_tokens = self._budgeted_max_tokens(prompt_len, requested_max_tokens(prompt))
+        else:  # the engine will apply the request's own limit on the native path
+            max_tokens = requested_completion_tokens(tokenized.request, self._services.config.model.max_model_len - prompt_len)
         decision = self._schedule(ScheduleRequest(tokenized.request_id, prompt.token_ids, max_tokens))
+        if not tokenized.complete or not self._services.scheduler.supports_token_only(decision.instance.address):
+            return self._route_native(tokenized.request, decision)
         self._tokenized = tokenized
         self.mode = Mode.ROUTED
         headers = request_headers_reply(
@@ -194,7 +212,15 @@ class Exchange:
             remove=("content-length", DESTINATION_KEY),
             destination=",".join(decision.hosts),
         )
-        return [headers, *request_body_replies(generate_body(prompt, max_tokens), end_of_stream)]
+        return [headers, *request_body_replies(generate_body(prompt, max_tokens))]
+
+    def _route_native(self, request: OpenAIRequest, decision: Decision) -> list[ext_proc_pb.ProcessingResponse]:
+        """The original OpenAI body to the engine's own endpoint; its response passes through."""
+        self.mode = Mode.PASSTHROUGH
+        return [self._native_headers(decision), *request_body_replies(request.raw)]
+
+    def _native_headers(self, decision: Decision) -> ext_proc_pb.ProcessingResponse:
+        return request_headers_reply(remove=(DESTINATION_KEY,), destination=",".join(decision.hosts))
 
     def _budgeted_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         config = self._services.config
@@ -213,10 +239,6 @@ class Exchange:
         self._decision = outcome
         return outcome
 
-    def _route_unchanged(self) -> ext_proc_pb.ProcessingResponse:
-        decision = self._schedule(ScheduleRequest(self._request_id, [], 0))
-        return request_headers_reply(remove=(DESTINATION_KEY,), destination=",".join(decision.hosts))
-
     async def _answer(self, error: GatewayError) -> Replies:
         self.mode = Mode.LOCAL
         for reply in local_response(error.status, error.body):
@@ -228,7 +250,7 @@ class Exchange:
         headers = header_map(message)
         self._engine_verdict(headers)
         if self.mode is not Mode.ROUTED:
-            yield response_headers_reply(remove=(UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER))
+            yield response_headers_reply(remove=HIDDEN_RESPONSE_HEADERS[1:])
             return
         self._status = int(headers.get(":status", "502"))
         content_type = headers.get("content-type", "")
@@ -236,7 +258,7 @@ class Exchange:
         if self._status == 200 and self._tokenized.stream and content_type.startswith("text/event-stream"):
             self.mode = Mode.STREAM
             self._derender = StreamDerender(self._services.derender, self._tokenized)
-            yield response_headers_reply(remove=("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER))
+            yield response_headers_reply(remove=HIDDEN_RESPONSE_HEADERS)
         else:
             self.mode = Mode.BUFFERED if self._status == 200 else Mode.ERROR
             if message.end_of_stream:
@@ -296,6 +318,10 @@ class Exchange:
         assert self._tokenized is not None
         self._response_done = True
         upstream = bytes(self._response_body)
+        if self.mode is Mode.ERROR and self._status in TOKEN_ONLY_UNSUPPORTED and not _names_a_model(upstream):
+            async for reply in self._replay_native(end_of_stream):
+                yield reply
+            return
         status = self._status
         if self.mode is Mode.BUFFERED:
             try:
@@ -304,8 +330,49 @@ class Exchange:
                 status, body = error.status, error.body
         else:
             body = normalize_error_body(status, upstream)
-        yield response_headers_reply(
-            set_headers={":status": str(status), "content-type": JSON},
-            remove=("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER),
-        )
+        yield response_headers_reply(set_headers={":status": str(status), "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS)
         yield response_body_reply(body, end_of_stream)
+
+    async def _replay_native(self, end_of_stream: bool) -> Replies:
+        """The engine has no token-only generate and sent nothing yet: the same request once
+        more on its native endpoint, from the processor; remembered for that instance."""
+        assert self._decision is not None and self._request is not None
+        address = self._served_by or self._decision.instance.address
+        self._services.scheduler.mark_token_only_unsupported(address)
+        self._services.native_replays += 1
+        url = f"http://{address}{self._request.api.value}"
+        headers_sent = False
+        try:
+            async with self._services.http.stream(
+                "POST", url, content=self._request.raw, headers={"content-type": JSON}, timeout=_replay_timeout(self._services)
+            ) as response:
+                content_type = response.headers.get("content-type", JSON)
+                yield response_headers_reply(
+                    set_headers={":status": str(response.status_code), "content-type": content_type},
+                    remove=HIDDEN_RESPONSE_HEADERS,
+                )
+                headers_sent = True
+                async for chunk in response.aiter_raw():
+                    if chunk:
+                        yield response_body_reply(chunk, False)
+        except httpx.HTTPError as exc:
+            message = f"native replay on {address} failed: {exc!r}"
+            if not headers_sent:
+                yield response_headers_reply(set_headers={":status": "502", "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS)
+                yield response_body_reply(error_body(502, message, code="native_replay_failed"), end_of_stream)
+                return
+        yield response_body_reply(b"", end_of_stream)
+
+
+def _names_a_model(body: bytes) -> bool:
+    """A 404 about the request's model is the engine's verdict, not a missing endpoint."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("param") == "model"
+
+
+def _replay_timeout(services: Services) -> httpx.Timeout:
+    idle = services.config.listener.stream_idle_timeout_s
+    return httpx.Timeout(connect=5.0, read=idle, write=idle, pool=5.0)

@@ -95,11 +95,12 @@ def _port_open(host: str, port: int) -> bool:
 
 class LocalStack:
     def __init__(self, config: TitoConfig, work_dir: Path) -> None:
-        self.config = config
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
         self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
+        # Every process (and the processor's local tokenizer) reads the same model.
+        self.config = config.model_copy(update={"model": config.model.model_copy(update={"path": self.model_path})})
 
     @property
     def base_url(self) -> str:

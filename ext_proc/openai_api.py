@@ -38,3 +38,12 @@ def is_multi_prompt(request: OpenAIRequest) -> bool:
         return False
     prompt = request.body.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+
+
+def requested_completion_tokens(request: OpenAIRequest, remaining_context: int) -> int:
+    """The completion limit a native engine will apply: the request's, else the rest of the context."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.body.get(key)
+        if isinstance(value, int) and value > 0:
+            return min(value, max(remaining_context, 1))
+    return max(remaining_context, 1)

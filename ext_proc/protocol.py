@@ -68,21 +68,21 @@ class OpenAIRequest:
 
 @dataclass
 class PromptTokens:
-    """One prompt after render: the token-only GenerateRequest for it, as render produced it.
+    """One prompt's semantic token ids (length accounting, scheduling, derender) and, when
+    render produced them, its token-only GenerateRequest (sampling params and the rest of the
+    render metadata). Obfuscation will add physical ids for the engine."""
 
-    `token_ids` are the semantic ids (length accounting, scheduling, derender); obfuscation
-    will add physical ids for the engine.
-    """
+    token_ids: list[int]
+    generate_request: dict[str, Any] | None = None  # None after a local-tokenizer fallback
 
-    generate_request: dict[str, Any]
-
-    @property
-    def token_ids(self) -> list[int]:
-        ids: list[int] = self.generate_request["token_ids"]
-        return ids
+    @classmethod
+    def rendered(cls, generate_request: dict[str, Any]) -> PromptTokens:
+        return cls(generate_request["token_ids"], generate_request)
 
     @property
     def sampling_params(self) -> dict[str, Any]:
+        if self.generate_request is None:
+            raise ValueError("no render metadata: this prompt was tokenized locally")
         params: dict[str, Any] = self.generate_request["sampling_params"]
         return params
 
@@ -107,3 +107,8 @@ class TokenizedRequest:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def complete(self) -> bool:
+        """Everything a token-only GenerateRequest needs is here (render, not a local fallback)."""
+        return bool(self.prompts) and all(p.generate_request is not None for p in self.prompts)

@@ -1,4 +1,12 @@
-"""Render client: OpenAI request -> token-only GenerateRequest(s), through the render sidecar."""
+"""Render client: OpenAI request -> token-only GenerateRequest(s), through the render sidecar.
+
+Typed outcomes (RFC fault table, "Render Token In" and "Render 请求校验" rows):
+- a TokenizedRequest;
+- `RenderRejected`: render judged the request itself (400/422, or 404 with an OpenAI error
+  body such as an unknown model). The client gets that answer unchanged, no fallback;
+- `RenderUnavailable`: timeout, connect error, 5xx, unsupported (404 without an error body,
+  405, 415, 501) or an invalid body. The caller falls back to the local tokenizer.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,19 @@ from ext_proc.config import RenderConfig
 from ext_proc.errors import GatewayError, normalize_error_body
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 
-# Render's own verdicts on the request: the client gets them unchanged.
-CLIENT_ERROR_STATUSES = frozenset({400, 404, 422})
+UNSUPPORTED_STATUSES = frozenset({404, 405, 415, 501})
+
+
+class RenderRejected(GatewayError):
+    """Render's own verdict on the request: passed to the client unchanged."""
+
+
+class RenderUnavailable(Exception):
+    """Render could not tokenize this request for a reason that is not the request's fault."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason  # timeout | unavailable | unsupported | invalid_response
 
 
 class RenderClient:
@@ -30,25 +49,32 @@ class RenderClient:
                 timeout=self._timeout,
             )
         except httpx.TimeoutException as exc:
-            raise GatewayError(504, f"render timed out: {exc!r}", code="render_timeout") from exc
+            raise RenderUnavailable("timeout", repr(exc)) from exc
         except httpx.HTTPError as exc:
-            raise GatewayError(503, f"render unavailable: {exc!r}", code="render_unavailable") from exc
-        if response.status_code in CLIENT_ERROR_STATUSES:
-            raise GatewayError(
-                response.status_code,
-                "render rejected the request",
-                body=normalize_error_body(response.status_code, response.content),
-            )
-        if response.status_code != 200:
-            raise GatewayError(502, f"render failed with HTTP {response.status_code}", code="render_failed")
+            raise RenderUnavailable("unavailable", repr(exc)) from exc
+        status = response.status_code
+        if status in (400, 422) or (status == 404 and _is_openai_error(response.content)):
+            raise RenderRejected(status, "render rejected the request", body=normalize_error_body(status, response.content))
+        if status in UNSUPPORTED_STATUSES:
+            raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
+        if status != 200:
+            raise RenderUnavailable("unavailable", f"HTTP {status}")
         return _tokenized(request, response.content)
+
+
+def _is_openai_error(body: bytes) -> bool:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
 def _tokenized(request: OpenAIRequest, body: bytes) -> TokenizedRequest:
     try:
         parsed: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise GatewayError(502, "render returned invalid JSON", code="render_invalid") from exc
+        raise RenderUnavailable("invalid_response", "render returned invalid JSON") from exc
     generate_requests = parsed if isinstance(parsed, list) else [parsed]
     prompts = []
     for item in generate_requests:
@@ -56,8 +82,12 @@ def _tokenized(request: OpenAIRequest, body: bytes) -> TokenizedRequest:
             isinstance(item, dict)
             and isinstance(item.get("token_ids"), list)
             and item["token_ids"]
+            and all(isinstance(t, int) and t >= 0 for t in item["token_ids"])
             and isinstance(item.get("sampling_params"), dict)
+            and isinstance(item.get("request_id"), str)
         ):
-            raise GatewayError(502, "render returned no token_ids/sampling_params", code="render_invalid")
-        prompts.append(PromptTokens(item))
-    return TokenizedRequest(request=request, request_id=str(prompts[0].generate_request["request_id"]), prompts=prompts)
+            raise RenderUnavailable("invalid_response", "render returned no valid token_ids/sampling_params")
+        prompts.append(PromptTokens.rendered(item))
+    if not prompts:
+        raise RenderUnavailable("invalid_response", "render returned no prompts")
+    return TokenizedRequest(request=request, request_id=generate_requests[0]["request_id"], prompts=prompts)

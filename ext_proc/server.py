@@ -14,9 +14,21 @@ from ext_proc.admin import start_admin
 from ext_proc.config import TitoConfig
 from ext_proc.derender import DerenderClient
 from ext_proc.exchange import Exchange, Services
+from ext_proc.http_client import CountingTransport, http_client
 from ext_proc.render import RenderClient
+from ext_proc.tokenization import LocalTokenizer, TokenizationService
 from protos.stubs import ext_proc_grpc, ext_proc_pb
-from scheduler import AffinityWeights, BreakerConfig, Pool, PrefixIndex, Role, Scheduler, TokenLedger, make_policy
+from scheduler import (
+    AffinityWeights,
+    BreakerConfig,
+    CircuitBreaker,
+    Pool,
+    PrefixIndex,
+    Role,
+    Scheduler,
+    TokenLedger,
+    make_policy,
+)
 
 log = logging.getLogger("tito.ext_proc")
 
@@ -56,18 +68,22 @@ def build_scheduler(config: TitoConfig) -> Scheduler:
     )
 
 
-def build_services(config: TitoConfig, http: httpx.AsyncClient) -> Services:
+def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport) -> Services:
+    render = config.render_config
+    cooldown = render.breaker_cooldown_s
+    tokenization = TokenizationService(
+        RenderClient(render, http) if render.enable else None,
+        CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
+        LocalTokenizer(config.model.path),
+    )
     return Services(
         config=config,
-        render=RenderClient(config.render_config, http),
-        derender=DerenderClient(config.render_config, http, config.model.served_name, config.model.has_parser),
+        tokenization=tokenization,
+        derender=DerenderClient(render, http, config.model.served_name, config.model.has_parser),
         scheduler=build_scheduler(config),
+        http=http,
+        http_streams=streams,
     )
-
-
-def http_client(config: TitoConfig) -> httpx.AsyncClient:
-    n = config.processor.http_max_connections
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), trust_env=False)
 
 
 async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
@@ -76,8 +92,9 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     )
-    async with http_client(config) as http:
-        services = build_services(config, http)
+    http, streams = http_client(config)
+    async with http:
+        services = build_services(config, http, streams)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), server)
         address = f"{config.processor.listen_host}:{config.processor.port}"
         server.add_insecure_port(address)

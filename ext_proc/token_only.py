@@ -10,6 +10,8 @@ from ext_proc.protocol import DEFAULT_MAX_TOKENS, PromptTokens
 def generate_body(prompt: PromptTokens, max_tokens: int) -> bytes:
     """The engine body for one prompt: render's GenerateRequest with the gateway's final
     max_tokens (always explicit: see `requested_max_tokens`)."""
+    if prompt.generate_request is None:
+        raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     body = dict(prompt.generate_request)
     body["sampling_params"] = {**prompt.sampling_params, "max_tokens": max_tokens}
     # Derender only understands token output; an old engine that ignores this field still

@@ -65,6 +65,15 @@ class Scheduler:
         self.max_fallbacks = max_fallbacks
         breaker = breaker or BreakerConfig()
         self.breakers = {i.address: CircuitBreaker(breaker) for i in self.pool.instances}
+        # Engines that answered 404/501 to token-only generate: they get native requests only.
+        self.token_only_unsupported: set[str] = set()
+
+    def mark_token_only_unsupported(self, address: str) -> None:
+        if address in self.breakers:
+            self.token_only_unsupported.add(address)
+
+    def supports_token_only(self, address: str) -> bool:
+        return address not in self.token_only_unsupported
 
     def schedule(self, request: ScheduleRequest, now: float) -> Decision | Rejection:
         healthy = [(n, i) for n, i in enumerate(self.pool.instances) if self.breakers[i.address].allows(now)]
@@ -128,6 +137,7 @@ class Scheduler:
                     "active_requests": self.ledger.active_requests(i.address),
                     "breaker": self.breakers[i.address].state.value,
                     "consecutive_failures": self.breakers[i.address].failures,
+                    "token_only": self.supports_token_only(i.address),
                 }
                 for i in self.pool.instances
             },

@@ -16,7 +16,7 @@ RENDERED = {
 
 
 def test_max_tokens_16_restored_when_render_omitted_it() -> None:
-    prompt = PromptTokens(RENDERED)
+    prompt = PromptTokens.rendered(RENDERED)
     assert requested_max_tokens(prompt) == 16
     body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt)))
     assert body["sampling_params"]["max_tokens"] == 16
@@ -25,7 +25,7 @@ def test_max_tokens_16_restored_when_render_omitted_it() -> None:
 
 def test_render_fields_pass_through_with_the_final_max_tokens() -> None:
     rendered = {**RENDERED, "sampling_params": {"max_tokens": 700, "seed": 3}}
-    prompt = PromptTokens(rendered)
+    prompt = PromptTokens.rendered(rendered)
     assert requested_max_tokens(prompt) == 700
     body = orjson.loads(generate_body(prompt, 44))
     assert body["token_ids"] == [1, 2, 3]

@@ -1,0 +1,121 @@
+"""Token In: render first; on render failure, the local tokenizer (RFC "Render Token In fallback").
+
+The local tokenizer only guarantees prompt token ids for admission and scheduling. It cannot
+reproduce render's metadata (merged generation defaults, parser adjustments), so a locally
+tokenized request goes the native engine path, never as an incomplete token-only request.
+A render breaker skips render for a while after a transient failure; render's own verdicts
+on a request (400/422, unknown model) are never a reason to fall back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.render import RenderClient, RenderRejected, RenderUnavailable
+from scheduler import CircuitBreaker
+
+log = logging.getLogger("tito.tokenization")
+
+
+class LocalTokenizer:
+    """The engines' own tokenizer and chat template, loaded on the first real fallback, off the loop."""
+
+    def __init__(self, model_path: str | None) -> None:
+        self._model_path = model_path
+        self._tokenizer: Any = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    async def token_ids(self, request: OpenAIRequest) -> list[int]:
+        if self._tokenizer is None:
+            async with self._lock:
+                if self._tokenizer is None:
+                    self._tokenizer = await asyncio.to_thread(self._load)
+        return await asyncio.to_thread(self._encode, request)
+
+    def _load(self) -> Any:
+        if not self._model_path:
+            raise RuntimeError("no model path configured for the local tokenizer")
+        from transformers import AutoTokenizer  # heavy import: only on the first fallback
+
+        log.info("loading the local tokenizer from %s", self._model_path)
+        return AutoTokenizer.from_pretrained(self._model_path)
+
+    def _encode(self, request: OpenAIRequest) -> list[int]:
+        body = request.body
+        if request.api is ApiKind.CHAT:
+            ids = self._tokenizer.apply_chat_template(
+                body["messages"],
+                tools=body.get("tools"),
+                add_generation_prompt=True,
+                tokenize=True,
+                **(body.get("chat_template_kwargs") or {}),
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+            return list(ids)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list):  # already token ids
+            return [int(t) for t in prompt]
+        return list(self._tokenizer.encode(prompt))
+
+
+class TokenizationService:
+    def __init__(self, render: RenderClient | None, breaker: CircuitBreaker, local: LocalTokenizer) -> None:
+        self._render = render  # None: render disabled in the config
+        self._breaker = breaker
+        self.local = local
+        self.fallbacks: Counter[str] = Counter()
+
+    async def tokenize(self, request: OpenAIRequest, request_id: str) -> TokenizedRequest:
+        started = time.monotonic()
+        reason = "render_disabled" if self._render is None else "render_breaker_open"
+        if self._render is not None and self._breaker.allows(started):
+            self._breaker.on_dispatch()
+            try:
+                tokenized = await self._render.render(request, request_id)
+            except RenderRejected:
+                self._breaker.record_success()  # render works; the request is wrong
+                raise
+            except RenderUnavailable as exc:
+                self._breaker.record_failure(time.monotonic())
+                reason = exc.reason
+                log.warning("render failed for %s (%s), falling back to the local tokenizer", request_id, exc)
+            except BaseException:
+                self._breaker.record_abandoned()
+                raise
+            else:
+                self._breaker.record_success()
+                return tokenized
+        return await self._fallback(request, request_id, reason, started)
+
+    async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:
+        self.fallbacks[reason] += 1
+        try:
+            ids = await self.local.token_ids(request)
+        except Exception as exc:  # noqa: BLE001 - no ids is still a servable request (native path)
+            log.warning("local tokenizer failed for %s: %r", request_id, exc)
+            ids = []
+        log.info(
+            "tokenized %s: fallback=local_tokenizer reason=%s prompt_tokens=%d latency_ms=%.1f",
+            request_id, reason, len(ids), (time.monotonic() - started) * 1000,
+        )
+        prefix = "chatcmpl-" if request.api is ApiKind.CHAT else "cmpl-"
+        return TokenizedRequest(request, prefix + request_id, [PromptTokens(ids)], tokenizer_source="local")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "render_breaker": self._breaker.state.value,
+            "local_tokenizer_loaded": self.local.loaded,
+            "fallbacks": dict(self.fallbacks),
+        }
