@@ -70,18 +70,18 @@ def _require_vllm() -> None:
 def gateway_config(
     cache_dir: Path, render_port: int, engines: list[Endpoint], model_path: str | None, **sections: Any
 ) -> TitoConfig:
-    """A config on free ports; `sections` override whole config sections (e.g. scheduler={...})."""
-    return TitoConfig.model_validate(
-        {
-            "listener": ListenerConfig(port=free_port(), admin_port=free_port()).model_dump(),
-            "processor": ProcessorConfig(port=free_port(), admin_port=free_port()).model_dump(),
-            "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
-            "model": {"path": model_path},
-            "pools": [PoolConfig(instances=engines).model_dump()],
-            "local": {"cache_dir": str(cache_dir)},
-            **sections,
-        }
-    )
+    """A config on free ports; `sections` are merged into its sections (e.g. scheduler={...})."""
+    raw: dict[str, Any] = {
+        "listener": ListenerConfig(port=free_port(), admin_port=free_port()).model_dump(),
+        "processor": ProcessorConfig(port=free_port(), admin_port=free_port()).model_dump(),
+        "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
+        "model": {"path": model_path},
+        "pools": [PoolConfig(instances=engines).model_dump()],
+        "local": {"cache_dir": str(cache_dir)},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) and isinstance(value, dict) else value
+    return TitoConfig.model_validate(raw)
 
 
 @dataclass
@@ -166,13 +166,34 @@ class SimGateway:
         for sim in self.sims:
             sim.received.clear()
 
+    def assert_no_leaks(self, timeout: float = 10) -> dict[str, Any]:
+        """Nothing left behind by finished requests: admission ledger and scheduler load at
+        zero, no live exchange in the processor, no open HTTP stream to render or an engine."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            leaks = {
+                "active_exchanges": state["active_exchanges"],
+                "open_http_streams": state["open_http_streams"],
+                "admitted_tokens": state["scheduler"]["total_active_tokens"],
+                "active_requests": state["scheduler"]["active_requests"],
+            }
+            if not any(leaks.values()):
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"leaked after the requests ended: {leaks}")
+            time.sleep(0.05)
+
 
 def start_sim_gateway(
-    stack: RunningStack, work: Path, n_engines: int, **sections: Any
+    stack: RunningStack, work: Path, n_engines: int, render_port: int | None = None, **sections: Any
 ) -> tuple[SimGateway, list[SimServer]]:
+    """A gateway over `n_engines` simulators; render is the stack's real sidecar unless
+    `render_port` points elsewhere (a fault proxy in front of it, or nothing at all)."""
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [Endpoint(port=s.sim.port) for s in servers]
-    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path, **sections)
+    render_port = render_port or stack.config.render_config.endpoint.port
+    config = gateway_config(work, render_port, engines, stack.model_path, **sections)
     gateway = LocalStack(config, work)
     gateway.start_gateway()
     gateway.wait_ready()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.servers import ThreadedServer
+
+NATIVE_TEXT = "native answer"
 VOCAB = 900  # stays inside the tiny model's vocabulary, so real derender can decode it
 FIRST_ID = 10  # skip the special tokens
 
@@ -109,6 +111,8 @@ class EngineSim:
             return _error(400, "token_ids: List should have at least 1 item", "Bad Request")
         fault = self._take_fault()
         if fault is not None and fault.kind == "status":
+            if fault.status in (404, 405, 501):  # an engine without the token-only route
+                return JSONResponse({"detail": "Not Found"}, status_code=fault.status)
             return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         params = body.get("sampling_params") or {}
         max_tokens = int(params.get("max_tokens", 16))
@@ -161,18 +165,30 @@ class EngineSim:
         yield b"data: [DONE]\n\n"
 
     async def native(self, request: Request) -> Response:
+        """The engine's own OpenAI endpoints (the native path): a fixed short answer."""
         body = json.loads(await self._record(request))
         chat = request.url.path.endswith("chat/completions")
-        prompts = [0] if chat or not isinstance(body.get("prompt"), list) else range(len(body["prompt"]))
+        n_prompts = 1 if chat or not isinstance(body.get("prompt"), list) else len(body["prompt"])
+        kind = "chatcmpl-" if chat else "cmpl-"
+        rid = kind + uuid.uuid4().hex
+        if body.get("stream"):
+            return StreamingResponse(self._native_stream(rid, chat, n_prompts), media_type="text/event-stream")
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": "sim"}, "finish_reason": "length"} if chat
-            else {"index": i, "text": "sim", "finish_reason": "length"}
-            for i in prompts
+            {"index": i, "message": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"} if chat
+            else {"index": i, "text": NATIVE_TEXT, "finish_reason": "length"}
+            for i in range(n_prompts)
         ]
-        return JSONResponse({"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object":
-                             "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                             "model": self.model, "choices": choices,
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.model, "choices": choices,
                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    async def _native_stream(self, rid: str, chat: bool, n_prompts: int) -> AsyncIterator[bytes]:
+        for i in range(n_prompts):
+            choice = ({"index": i, "delta": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"}
+                      if chat else {"index": i, "text": NATIVE_TEXT, "finish_reason": "length"})
+            yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": int(time.time()), "model": self.model, "choices": [choice]})
+        yield b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         await self._record(request)
@@ -216,37 +232,17 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
 
 
-class SimServer:
-    """An EngineSim served by uvicorn on a background thread of the test process."""
+class SimServer(ThreadedServer):
+    """An EngineSim on a background thread; `stop()` makes it refuse connections."""
 
     def __init__(self, sim: EngineSim) -> None:
+        super().__init__(sim.app(), sim.host, sim.port)
         self.sim = sim
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> SimServer:
-        config = uvicorn.Config(self.sim.app(), host=self.sim.host, port=self.sim.port, log_level="critical",
-                                lifespan="off", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError(f"engine simulator could not listen on port {self.sim.port}")
-            time.sleep(0.01)
-        self.sim.port = self._server.servers[0].sockets[0].getsockname()[1]
+        super().start()
+        self.sim.port = self.port
         return self
-
-    def stop(self) -> None:
-        """Stop listening: connections to this instance are refused from now on."""
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(5)
-
-    def restart(self) -> SimServer:
-        """Listen again on the same port."""
-        self.stop()
-        return self.start()
 
 
 def main() -> None:
