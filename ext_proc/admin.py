@@ -43,7 +43,9 @@ def metrics(services: Services) -> str:
 
 
 def _respond(status: str, content_type: str, body: bytes) -> bytes:
-    head = f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -64,7 +66,7 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond("404 Not Found", "text/plain", b"not found\n")
         writer.write(response)
         await writer.drain()
-    except (asyncio.TimeoutError, ConnectionError):
+    except (TimeoutError, ConnectionError):
         pass
     finally:
         writer.close()

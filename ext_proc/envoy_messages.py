@@ -18,7 +18,9 @@ Headers = dict[str, str]
 
 def header_map(message: ext_proc_pb.HttpHeaders) -> Headers:
     """Envoy's headers as a dict (lower-case names; Envoy 1.40 sends raw_value)."""
-    return {h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers}
+    return {
+        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
+    }
 
 
 def _header_mutation(set_headers: Headers | None, remove: Iterable[str]) -> ext_proc_pb.HeaderMutation:
@@ -51,8 +53,12 @@ def request_headers_reply(
     return response
 
 
-def response_headers_reply(set_headers: Headers | None = None, remove: Iterable[str] = ()) -> ext_proc_pb.ProcessingResponse:
-    return ext_proc_pb.ProcessingResponse(response_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, remove)))
+def response_headers_reply(
+    set_headers: Headers | None = None, remove: Iterable[str] = ()
+) -> ext_proc_pb.ProcessingResponse:
+    return ext_proc_pb.ProcessingResponse(
+        response_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, remove))
+    )
 
 
 def _streamed(body: bytes, end_of_stream: bool) -> ext_proc_pb.CommonResponse:
@@ -75,7 +81,9 @@ def request_body_replies(body: bytes, end_of_stream: bool = True) -> list[ext_pr
 
 
 def response_body_reply(body: bytes, end_of_stream: bool) -> ext_proc_pb.ProcessingResponse:
-    return ext_proc_pb.ProcessingResponse(response_body=ext_proc_pb.BodyResponse(response=_streamed(body, end_of_stream)))
+    return ext_proc_pb.ProcessingResponse(
+        response_body=ext_proc_pb.BodyResponse(response=_streamed(body, end_of_stream))
+    )
 
 
 def request_trailers_reply() -> ext_proc_pb.ProcessingResponse:
@@ -109,5 +117,7 @@ def local_response_body(body: bytes, end_of_stream: bool) -> ext_proc_pb.Process
     )
 
 
-def local_response(status: int, body: bytes, content_type: str = "application/json") -> list[ext_proc_pb.ProcessingResponse]:
+def local_response(
+    status: int, body: bytes, content_type: str = "application/json"
+) -> list[ext_proc_pb.ProcessingResponse]:
     return [local_response_headers(status, content_type), local_response_body(body, True)]

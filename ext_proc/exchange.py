@@ -43,7 +43,7 @@ from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRe
 from ext_proc.token_only import generate_body, requested_max_tokens
 from ext_proc.tokenization import TokenizationService
 from protos.stubs import ext_proc_pb
-from scheduler import ContextOverflow, Decision, Rejection, ScheduleRequest, Scheduler, clamp_max_tokens
+from scheduler import ContextOverflow, Decision, Rejection, Scheduler, ScheduleRequest, clamp_max_tokens
 
 JSON = "application/json"
 # Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read here, never shown to clients.
@@ -177,7 +177,9 @@ class Exchange:
         assert self._api is not None
         try:
             config = self._services.config
-            request = parse_request(self._api, self._request_headers.get("content-type"), bytes(self._body), config.model)
+            request = parse_request(
+                self._api, self._request_headers.get("content-type"), bytes(self._body), config.model
+            )
             self._request = request
             if is_multi_prompt(request):
                 # Multi-prompt fan-out is processor-owned work still to come; the engine's
@@ -201,7 +203,9 @@ class Exchange:
         if tokenized.complete:
             max_tokens = self._budgeted_max_tokens(prompt_len, requested_max_tokens(prompt))
         else:  # the engine will apply the request's own limit on the native path
-            max_tokens = requested_completion_tokens(tokenized.request, self._services.config.model.max_model_len - prompt_len)
+            max_tokens = requested_completion_tokens(
+                tokenized.request, self._services.config.model.max_model_len - prompt_len
+            )
         decision = self._schedule(ScheduleRequest(tokenized.request_id, prompt.token_ids, max_tokens))
         if not tokenized.complete or not self._services.scheduler.supports_token_only(decision.instance.address):
             return self._route_native(tokenized.request, decision)
@@ -330,7 +334,9 @@ class Exchange:
                 status, body = error.status, error.body
         else:
             body = normalize_error_body(status, upstream)
-        yield response_headers_reply(set_headers={":status": str(status), "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS)
+        yield response_headers_reply(
+            set_headers={":status": str(status), "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS
+        )
         yield response_body_reply(body, end_of_stream)
 
     async def _replay_native(self, end_of_stream: bool) -> Replies:
@@ -344,7 +350,11 @@ class Exchange:
         headers_sent = False
         try:
             async with self._services.http.stream(
-                "POST", url, content=self._request.raw, headers={"content-type": JSON}, timeout=_replay_timeout(self._services)
+                "POST",
+                url,
+                content=self._request.raw,
+                headers={"content-type": JSON},
+                timeout=_replay_timeout(self._services),
             ) as response:
                 content_type = response.headers.get("content-type", JSON)
                 yield response_headers_reply(
@@ -358,7 +368,9 @@ class Exchange:
         except httpx.HTTPError as exc:
             message = f"native replay on {address} failed: {exc!r}"
             if not headers_sent:
-                yield response_headers_reply(set_headers={":status": "502", "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS)
+                yield response_headers_reply(
+                    set_headers={":status": "502", "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS
+                )
                 yield response_body_reply(error_body(502, message, code="native_replay_failed"), end_of_stream)
                 return
         yield response_body_reply(b"", end_of_stream)

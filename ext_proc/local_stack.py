@@ -7,12 +7,15 @@ The end-to-end tests start the very same stack.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,10 +69,8 @@ class ManagedProcess:
                 self.popen.wait(wait)
             except subprocess.TimeoutExpired:
                 continue
-        try:  # children (vLLM's engine core, workers) may outlive the leader
+        with contextlib.suppress(ProcessLookupError):  # children (vLLM's workers) may outlive the leader
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -139,13 +140,13 @@ class LocalStack:
         return {"TITO_CONFIG": str(path)}
 
     def wait_ready(self) -> None:
-        checks = {
+        checks: dict[str, Callable[[], bool]] = {
             "render": lambda: _http_ready(self.config.render_config.endpoint.url + "/health"),
             "processor": lambda: _port_open(self.config.processor.host, self.config.processor.port),
             "envoy": lambda: _http_ready(f"http://127.0.0.1:{self.config.listener.admin_port}/ready"),
         }
         for n, instance in enumerate(self.config.pools[0].instances):
-            checks[f"engine{n}"] = lambda url=instance.url: _http_ready(url + "/health")
+            checks[f"engine{n}"] = functools.partial(_http_ready, instance.url + "/health")
         deadline = time.monotonic() + self.config.local.startup_timeout_s
         pending = {name: check for name, check in checks.items() if name in self.processes}
         while pending:

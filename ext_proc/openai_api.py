@@ -13,7 +13,9 @@ from ext_proc.protocol import ApiKind, OpenAIRequest
 
 def parse_request(api: ApiKind, content_type: str | None, raw: bytes, model: ModelConfig) -> OpenAIRequest:
     if content_type is not None and "json" not in content_type.lower():
-        raise GatewayError(400, f"content-type must be application/json, got {content_type!r}", code="invalid_content_type")
+        raise GatewayError(
+            400, f"content-type must be application/json, got {content_type!r}", code="invalid_content_type"
+        )
     try:
         body: Any = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -23,12 +25,12 @@ def parse_request(api: ApiKind, content_type: str | None, raw: bytes, model: Mod
     request = OpenAIRequest(api=api, body=body, raw=raw)
     requested = body.get("model")
     if requested is not None and requested != model.served_name:
-        raise GatewayError(
-            404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
-        )
+        raise GatewayError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
     required = "messages" if api is ApiKind.CHAT else "prompt"
     if body.get(required) in (None, [], ""):
-        raise GatewayError(400, f"'{required}' is a required property", param=required, code="missing_required_parameter")
+        raise GatewayError(
+            400, f"'{required}' is a required property", param=required, code="missing_required_parameter"
+        )
     return request
 
 

@@ -54,7 +54,9 @@ class RenderClient:
             raise RenderUnavailable("unavailable", repr(exc)) from exc
         status = response.status_code
         if status in (400, 422) or (status == 404 and _is_openai_error(response.content)):
-            raise RenderRejected(status, "render rejected the request", body=normalize_error_body(status, response.content))
+            raise RenderRejected(
+                status, "render rejected the request", body=normalize_error_body(status, response.content)
+            )
         if status in UNSUPPORTED_STATUSES:
             raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
         if status != 200:

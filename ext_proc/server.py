@@ -33,7 +33,7 @@ from scheduler import (
 log = logging.getLogger("tito.ext_proc")
 
 
-class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, services: Services) -> None:
         self._services = services
 

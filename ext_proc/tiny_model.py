@@ -15,7 +15,7 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 EOS = "<|im_end|>"
-FORMAT_VERSION = "1"  # bump when the generated files change, so caches are rebuilt
+FORMAT_VERSION = "2"  # bump when the generated files change, so caches are rebuilt
 
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
@@ -55,7 +55,7 @@ _CORPUS_SEED = [
     "Emoji time: 😀 🚀 🎉 👍🏽 🇫🇷 ❤️ 🤖",
     "Mixed: hello 世界 🌍 — naïve café résumé über straße.",
     "<think>Let me think step by step.</think>The result is ready.",
-    "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"vLLM\"}}\n</tool_call>",
+    '<tool_call>\n{"name": "search", "arguments": {"query": "vLLM"}}\n</tool_call>',
     "system user assistant tool function arguments content reasoning",
     "Once upon a time there was a small model that could only say random things.",
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828",
@@ -119,10 +119,9 @@ def _write_model(out: Path, vocab_size: int, eos_id: int, pad_id: int) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=None,
-        torch_dtype="float32",
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
     generation = {"eos_token_id": [eos_id], "pad_token_id": pad_id, "do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(generation))
@@ -140,7 +139,9 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
-    _write_model(tmp, vocab, tok.token_to_id(EOS), tok.token_to_id("<|endoftext|>"))
+    eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id("<|endoftext|>")
+    assert eos_id is not None and pad_id is not None, "special tokens missing from the trained tokenizer"
+    _write_model(tmp, vocab, eos_id, pad_id)
     (tmp / ".complete").write_text("ok\n")
     if out.exists():  # another process won the race; keep its copy
         import shutil

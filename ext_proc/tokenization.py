@@ -108,7 +108,10 @@ class TokenizationService:
             ids = []
         log.info(
             "tokenized %s: fallback=local_tokenizer reason=%s prompt_tokens=%d latency_ms=%.1f",
-            request_id, reason, len(ids), (time.monotonic() - started) * 1000,
+            request_id,
+            reason,
+            len(ids),
+            (time.monotonic() - started) * 1000,
         )
         prefix = "chatcmpl-" if request.api is ApiKind.CHAT else "cmpl-"
         return TokenizedRequest(request, prefix + request_id, [PromptTokens(ids)], tokenizer_source="local")

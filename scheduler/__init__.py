@@ -2,7 +2,7 @@
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.context_budget import ContextOverflow, clamp_max_tokens
-from scheduler.dispatch import Decision, Rejection, ScheduleRequest, Scheduler
+from scheduler.dispatch import Decision, Rejection, Scheduler, ScheduleRequest
 from scheduler.instances import Instance, Pool, Role
 from scheduler.ledger import Lease, TokenLedger
 from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, LoadBalance, Policy, RoundRobin, make_policy

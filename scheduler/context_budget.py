@@ -11,7 +11,6 @@ def clamp_max_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) ->
     remaining = max_model_len - prompt_tokens
     if remaining < 1:
         raise ContextOverflow(
-            f"the prompt has {prompt_tokens} tokens, the model's context is {max_model_len}: "
-            "no room for a completion"
+            f"the prompt has {prompt_tokens} tokens, the model's context is {max_model_len}: no room for a completion"
         )
     return min(max_tokens, remaining)

@@ -137,7 +137,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator
     yield running
     process.send_signal(signal.SIGTERM)
     code = process.wait(90)
-    ports = [config.listener.port, config.processor.port, config.render_config.endpoint.port, config.pools[0].instances[0].port]
+    ports = [
+        config.listener.port,
+        config.processor.port,
+        config.render_config.endpoint.port,
+        config.pools[0].instances[0].port,
+    ]
     still_open = [p for p in ports if port_open(p)]
     assert code == 0 and not still_open, f"tito up exit {code}, ports still open {still_open}:\n" + "\n".join(
         running.output[-20:]

@@ -116,25 +116,49 @@ class EngineSim:
             return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         params = body.get("sampling_params") or {}
         max_tokens = int(params.get("max_tokens", 16))
-        request_id = "generate-tokens-" + (request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex)
+        request_id = "generate-tokens-" + (
+            request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
+        )
         tokens = (self.tokens or self.script(body["token_ids"], max_tokens))[:max_tokens]
-        usage = {"prompt_tokens": len(body["token_ids"]), "total_tokens": len(body["token_ids"]) + len(tokens),
-                 "completion_tokens": len(tokens)}
+        usage = {
+            "prompt_tokens": len(body["token_ids"]),
+            "total_tokens": len(body["token_ids"]) + len(tokens),
+            "completion_tokens": len(tokens),
+        }
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             events = self._stream(request_id, tokens, usage, include_usage, fault)
             return StreamingResponse(events, media_type="text/event-stream")
         if self.ttft_s or self.token_delay_s:
             await asyncio.sleep(self.ttft_s + self.token_delay_s * len(tokens))
-        return JSONResponse({
-            "request_id": request_id, "model": self.model, "created": int(time.time()), "usage": {
-                **usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-            "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
-            "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": "tokens",
-            "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": tokens,
-                         "routed_experts": None, "sampling_mask": None,
-                         "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}], "logprobs": None}],
-        })
+        return JSONResponse(
+            {
+                "request_id": request_id,
+                "model": self.model,
+                "created": int(time.time()),
+                "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
+                "prompt_logprobs": None,
+                "prompt_token_id_logprobs": None,
+                "prompt_token_ids": None,
+                "mm_placeholders": None,
+                "metrics": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "output_mode": "tokens",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "token_ids": tokens,
+                        "routed_experts": None,
+                        "sampling_mask": None,
+                        "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}],
+                        "logprobs": None,
+                    }
+                ],
+            }
+        )
 
     async def _stream(
         self, request_id: str, tokens: list[int], usage: dict[str, int], include_usage: bool, fault: Fault | None
@@ -144,8 +168,16 @@ class EngineSim:
         for i, token in enumerate(tokens):
             if fault is not None and i == fault.after_tokens:
                 if fault.kind == "inband_error":
-                    yield _sse({"error": {"message": "simulated engine core failure", "type": "InternalServerError",
-                                          "param": None, "code": 500}})
+                    yield _sse(
+                        {
+                            "error": {
+                                "message": "simulated engine core failure",
+                                "type": "InternalServerError",
+                                "param": None,
+                                "code": 500,
+                            }
+                        }
+                    )
                     yield b"data: [DONE]\n\n"
                     return
                 if fault.kind == "abort":
@@ -155,10 +187,16 @@ class EngineSim:
             if self.token_delay_s and i:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(tokens) - 1
-            choice = {"index": 0, "finish_reason": "length" if last else None, "stop_reason": None, "token_ids": [token],
-                      "routed_experts": None, "sampling_mask": None,
-                      "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "finish_reason": "length" if last else None,
+                "stop_reason": None,
+                "token_ids": [token],
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
+                "logprobs": None,
+            }
             yield _sse({"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": [choice]})
         if include_usage:
             yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
@@ -174,20 +212,38 @@ class EngineSim:
         if body.get("stream"):
             return StreamingResponse(self._native_stream(rid, chat, n_prompts), media_type="text/event-stream")
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"} if chat
+            {"index": i, "message": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"}
+            if chat
             else {"index": i, "text": NATIVE_TEXT, "finish_reason": "length"}
             for i in range(n_prompts)
         ]
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model, "choices": choices,
-                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": choices,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     async def _native_stream(self, rid: str, chat: bool, n_prompts: int) -> AsyncIterator[bytes]:
         for i in range(n_prompts):
-            choice = ({"index": i, "delta": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"}
-                      if chat else {"index": i, "text": NATIVE_TEXT, "finish_reason": "length"})
-            yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": int(time.time()), "model": self.model, "choices": [choice]})
+            choice = (
+                {"index": i, "delta": {"role": "assistant", "content": NATIVE_TEXT}, "finish_reason": "length"}
+                if chat
+                else {"index": i, "text": NATIVE_TEXT, "finish_reason": "length"}
+            )
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": self.model,
+                    "choices": [choice],
+                }
+            )
         yield b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
@@ -201,7 +257,9 @@ class EngineSim:
         """Process mode: `POST /sim/control {"ttft_s", "token_delay_s", "tokens", "fault": {…}|null}`;
         `GET /sim/control` returns what was received."""
         if request.method == "GET":
-            return JSONResponse([{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received])
+            return JSONResponse(
+                [{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received]
+            )
         update = await request.json()
         for key in ("ttft_s", "token_delay_s", "tokens"):
             if key in update:
@@ -211,14 +269,16 @@ class EngineSim:
         return JSONResponse({"ok": True})
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/inference/v1/generate", self.generate, methods=["POST"]),
-            Route("/v1/chat/completions", self.native, methods=["POST"]),
-            Route("/v1/completions", self.native, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/sim/control", self.control, methods=["GET", "POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/inference/v1/generate", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions", self.native, methods=["POST"]),
+                Route("/v1/completions", self.native, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/sim/control", self.control, methods=["GET", "POST"]),
+            ]
+        )
 
     def generate_requests(self) -> list[Received]:
         return [r for r in self.received if r.path == "/inference/v1/generate"]
@@ -229,7 +289,9 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+    )
 
 
 class SimServer(ThreadedServer):

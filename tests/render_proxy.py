@@ -71,10 +71,14 @@ class RenderProxy:
             await asyncio.Event().wait()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id")}
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-            upstream = await client.request(request.method, self.upstream + request.url.path, content=body, headers=headers)
+            upstream = await client.request(
+                request.method, self.upstream + request.url.path, content=body, headers=headers
+            )
         if fault is not None and fault.kind == "invalid_body":
             return JSONResponse({"request_id": "broken", "sampling_params": {}})
-        return Response(upstream.content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+        return Response(
+            upstream.content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type")
+        )
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])

@@ -19,8 +19,8 @@ from scheduler import (
     PrefixIndex,
     Role,
     RoundRobin,
-    ScheduleRequest,
     Scheduler,
+    ScheduleRequest,
     block_hashes,
 )
 
@@ -65,7 +65,11 @@ def run(iterations: int = 200, seed: int = 7) -> list[Result]:
     prompt, history = _prompts(rng)
     history[0] = prompt[: PROMPT_TOKENS - BLOCK]  # one instance holds almost the whole prompt
     results = []
-    for name, policy in (("round_robin", RoundRobin()), ("load_balance", LoadBalance()), ("kv_cache_affinity", KvCacheAffinity())):
+    for name, policy in (
+        ("round_robin", RoundRobin()),
+        ("load_balance", LoadBalance()),
+        ("kv_cache_affinity", KvCacheAffinity()),
+    ):
         scheduler = _scheduler(policy, history, home=5)
 
         def decide(n: int, scheduler: Scheduler = scheduler) -> str:

@@ -44,7 +44,9 @@ class FaultBench:
         assert self.gateway is not None
         content = body if isinstance(body, bytes) else orjson.dumps(body)
         headers = kw.pop("headers", {"content-type": "application/json"})
-        return httpx.post(self.gateway.base_url + path, content=content, headers=headers, timeout=30, trust_env=False, **kw)
+        return httpx.post(
+            self.gateway.base_url + path, content=content, headers=headers, timeout=30, trust_env=False, **kw
+        )
 
     def stop(self) -> None:
         if self.gateway is not None:
@@ -204,14 +206,31 @@ def test_inband_engine_error_becomes_an_openai_error_event(bench: FaultBench) ->
 # -- Derender ------------------------------------------------------------------------------------
 
 DERENDER_FAULTS = [
-    ("status-422", RenderFault("derender", "status", status=422, body=b'{"error":{"message":"bad state","type":"BadRequestError","param":null,"code":422}}'), 422, "derender_rejected"),
-    ("status-404", RenderFault("derender", "status", status=404, body=b'{"detail":"Not Found"}'), 501, "derender_unsupported"),
+    (
+        "status-422",
+        RenderFault(
+            "derender",
+            "status",
+            status=422,
+            body=b'{"error":{"message":"bad state","type":"BadRequestError","param":null,"code":422}}',
+        ),
+        422,
+        "derender_rejected",
+    ),
+    (
+        "status-404",
+        RenderFault("derender", "status", status=404, body=b'{"detail":"Not Found"}'),
+        501,
+        "derender_unsupported",
+    ),
     ("timeout", RenderFault("derender", "stall"), 504, "derender_timeout"),
     ("status-503", RenderFault("derender", "status", status=503), 502, "derender_failed"),
 ]
 
 
-@pytest.mark.parametrize(("fault", "status", "code"), [f[1:] for f in DERENDER_FAULTS], ids=[f[0] for f in DERENDER_FAULTS])
+@pytest.mark.parametrize(
+    ("fault", "status", "code"), [f[1:] for f in DERENDER_FAULTS], ids=[f[0] for f in DERENDER_FAULTS]
+)
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
 def test_derender_failures_map_to_response_errors_without_reinference(
     bench: FaultBench, fault: RenderFault, status: int, code: str, stream: bool

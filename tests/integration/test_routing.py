@@ -70,9 +70,16 @@ def test_streaming_derender_matches_the_tokens_the_engine_sent(sim_gateway: SimG
     from transformers import AutoTokenizer
 
     sim_gateway.reset()
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", sim_gateway.base_url + "/v1/chat/completions", json=body, timeout=30, trust_env=False) as r:
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", sim_gateway.base_url + "/v1/chat/completions", json=body, timeout=30, trust_env=False
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = b"".join(r.iter_raw())

@@ -10,6 +10,7 @@ import yaml
 
 from ext_proc.config import load_config
 from ext_proc.envoy_config import render_bootstrap, write_bootstrap
+from ext_proc.tiny_model import FORMAT_VERSION
 from tests.conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,9 @@ def test_docker_compose_file_is_valid() -> None:
     compose = shutil.which("docker-compose")
     if compose is None:
         missing("docker-compose (Debian package docker-compose)")
-    result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True)
+    result = subprocess.run(
+        [compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -69,3 +72,7 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
     assert config.processor.host == ip("processor")
     assert config.render_config.endpoint.host == ip("render")
     assert [i.host for i in config.pools[0].instances] == [ip("engine")]
+    # the model the one-shot `model` service generates is the one everything loads
+    assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
+    for name in ("render", "engine"):
+        assert f"--model={config.model.path}" in services[name]["command"]
