@@ -41,9 +41,11 @@ class DerenderClient:
         if response.status_code != 200:
             raise _derender_error(response)
         try:
-            parsed: dict[str, Any] = orjson.loads(response.content)
+            parsed = orjson.loads(response.content)
         except orjson.JSONDecodeError as exc:
             raise GatewayError(502, "derender returned invalid JSON", code="derender_invalid") from exc
+        if not isinstance(parsed, dict):
+            raise GatewayError(502, "derender returned no JSON object", code="derender_invalid")
         return parsed
 
 
@@ -152,9 +154,11 @@ class StreamDerender:
             result = await self._client.call(self._request.api.derender_path, self._body(payload, index))
         except GatewayError as exc:
             return self._fail(exc.status, exc.message, exc.code)
+        chunk = result.get("chunk")
+        if not isinstance(chunk, dict):
+            return self._fail(502, "derender returned no chunk", "derender_invalid")
         if index >= 0:
             self._states[index] = result.get("stream_state")
-        chunk = result["chunk"]
         chunk["id"] = self._request.request_id
         return sse_event(orjson.dumps(chunk))
 

@@ -29,10 +29,6 @@ class ApiKind(enum.Enum):
         return self.value + "/derender"
 
     @property
-    def object_name(self) -> str:
-        return "chat.completion" if self is ApiKind.CHAT else "text_completion"
-
-    @property
     def client_request_key(self) -> str:
         """Where derender expects the original client request."""
         return "chat_request" if self is ApiKind.CHAT else "completion_request"

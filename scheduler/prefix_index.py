@@ -83,11 +83,3 @@ class PrefixIndex:
         for address in alive:
             matched[address] = len(hashes)
         return matched
-
-    def forget(self, address: str) -> None:
-        """Drop an instance everywhere (it restarted: its KV cache is gone)."""
-        for h in [h for h, holders in self._blocks.items() if address in holders]:
-            holders = self._blocks[h]
-            holders.discard(address)
-            if not holders:
-                del self._blocks[h]

@@ -1,0 +1,110 @@
+"""The streaming derender pipeline on its own: per-choice state, one [DONE], errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from ext_proc.derender import DerenderClient, StreamDerender
+from ext_proc.errors import GatewayError
+from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
+
+
+class FakeDerender:
+    """Answers like vLLM's streaming derender; the state counts calls per choice."""
+
+    served_name = "tiny"
+    prompt_ids_every_call = False
+
+    def __init__(self, fail_on_call: int | None = None) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.fail_on_call = fail_on_call
+
+    async def call(self, path: str, body: bytes) -> dict[str, Any]:
+        request = orjson.loads(body)  # the spliced body must be valid JSON
+        self.requests.append(request)
+        if self.fail_on_call == len(self.requests):
+            raise GatewayError(422, "invalid stream_state", code="derender_rejected")
+        chunk = request["generate_chunk"]
+        choices = [{"index": c["index"], "delta": {"content": f"t{c['token_ids'][0]}"}} for c in chunk["choices"]]
+        state = request["stream_state"] or {"calls": 0}
+        return {
+            "chunk": {"id": chunk.get("request_id"), "choices": choices},
+            "stream_state": {"calls": state["calls"] + 1},
+        }
+
+
+def _pipeline(fake: FakeDerender) -> StreamDerender:
+    request = OpenAIRequest(ApiKind.CHAT, BODY, orjson.dumps(BODY))
+    prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
+    tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
+    client: DerenderClient = fake  # type: ignore[assignment]
+    return StreamDerender(client, tokenized)
+
+
+def _event(index: int, token: int) -> bytes:
+    chunk = {"request_id": "generate-tokens-chatcmpl-x", "choices": [{"index": index, "token_ids": [token]}]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _events(out: bytes) -> list[Any]:
+    return [e.removeprefix(b"data: ") for e in out.split(b"\n\n") if e]
+
+
+async def test_each_choice_keeps_its_own_state_and_seed() -> None:
+    fake = FakeDerender()
+    pipeline = _pipeline(fake)
+    stream = _event(0, 5) + _event(1, 6) + _event(0, 7) + _event(1, 8) + b"data: [DONE]\n\n"
+    out = b""
+    for i in range(0, len(stream), 7):  # events cut anywhere
+        out += await pipeline.feed(stream[i : i + 7])
+    out += await pipeline.finish()
+    assert [r["stream_state"] for r in fake.requests] == [None, None, {"calls": 1}, {"calls": 1}]
+    assert ["prompt_token_ids" in r for r in fake.requests] == [True, True, False, False]
+    assert all(r["chat_request"] == BODY and r["prompt_tokens"] == 3 for r in fake.requests)
+    events = _events(out)
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert [c["id"] for c in chunks] == ["chatcmpl-x"] * 4  # not generate-tokens-…
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["t5", "t6", "t7", "t8"]
+
+
+async def test_done_is_added_when_the_engine_stream_just_ends() -> None:
+    pipeline = _pipeline(FakeDerender())
+    out = await pipeline.feed(_event(0, 5)) + await pipeline.finish()
+    assert _events(out)[-1] == b"[DONE]"
+    assert await pipeline.finish() == b""  # and never twice
+
+
+async def test_inband_engine_error_ends_the_stream() -> None:
+    fake = FakeDerender()
+    pipeline = _pipeline(fake)
+    error = b'data: {"error": {"message": "engine core died", "code": 500}}\n\n'
+    out = await pipeline.feed(_event(0, 5) + error + _event(0, 6) + b"data: [DONE]\n\n")
+    out += await pipeline.finish()
+    events = _events(out)
+    assert orjson.loads(events[1])["error"]["message"] == "engine core died"
+    assert events[2:] == [b"[DONE]"]
+    assert len(fake.requests) == 1  # the error event and what followed never reached derender
+
+
+async def test_derender_failure_does_not_advance_the_state() -> None:
+    fake = FakeDerender(fail_on_call=2)
+    pipeline = _pipeline(fake)
+    out = await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(0, 7))
+    events = _events(out + await pipeline.finish())
+    assert orjson.loads(events[1])["error"]["code"] == "derender_rejected"
+    assert events[2:] == [b"[DONE]"]
+    assert len(fake.requests) == 2
+    assert pipeline._states == {0: {"calls": 1}}
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b'data: {"choices": []}\n\n'])
+async def test_bad_events_never_hang_the_stream(bad: bytes) -> None:
+    pipeline = _pipeline(FakeDerender())
+    out = await pipeline.feed(bad) + await pipeline.finish()
+    assert _events(out)[-1] == b"[DONE]"
