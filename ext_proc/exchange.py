@@ -88,6 +88,7 @@ class Exchange:
         self._api: ApiKind | None = None
         self._request_headers: Headers = {}
         self._body = bytearray()
+        self._body_bytes = 0
         self._response_body = bytearray()
         # Our own id, never a client's: it keys the token ledger and the engine's request.
         self._request_id = uuid4().hex
@@ -156,13 +157,13 @@ class Exchange:
             return
         if self.mode is not Mode.PENDING:  # duplicate end_of_stream (envoy#46237) or late data
             return
-        self._body += message.body
         limit = self._services.config.listener.max_request_bytes
-        if len(self._body) > limit:
-            error = GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-            async for reply in self._answer(error):
-                yield reply
-        elif message.end_of_stream:
+        self._body_bytes += len(message.body)
+        if self._body_bytes <= limit:
+            self._body += message.body
+        elif self._body:
+            self._body = bytearray()  # over the limit: drop it, keep reading to the end
+        if message.end_of_stream:
             async for reply in self._dispatch(end_of_stream=True):
                 yield reply
 
@@ -177,6 +178,10 @@ class Exchange:
         assert self._api is not None
         try:
             config = self._services.config
+            # Answered only now that the body ended: an answer before that still opens the upstream.
+            if self._body_bytes > config.listener.max_request_bytes:
+                limit = config.listener.max_request_bytes
+                raise GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
             request = parse_request(
                 self._api, self._request_headers.get("content-type"), bytes(self._body), config.model
             )

@@ -203,6 +203,45 @@ def test_inband_engine_error_becomes_an_openai_error_event(bench: FaultBench) ->
     gateway.assert_no_leaks()
 
 
+def test_engine_dying_mid_stream_leaks_nothing(bench: FaultBench) -> None:
+    gateway = bench.start()
+    gateway.sims[0].fault = Fault("abort", after_tokens=3)
+    gateway.sims[0].token_delay_s = 0.1  # the tokens before the abort reach the client first
+    received = b""
+    request = httpx.stream(
+        "POST",
+        gateway.base_url + "/v1/chat/completions",
+        json={**STREAM, "max_tokens": 10},
+        timeout=30,
+        trust_env=False,
+    )
+    # The client sees a truncated stream, not a clean end.
+    with pytest.raises(httpx.HTTPError), request as response:
+        assert response.status_code == 200
+        for chunk in response.iter_raw():
+            received += chunk
+    assert received.count(b"chat.completion.chunk") >= 2 and b"[DONE]" not in received
+    gateway.assert_no_leaks()
+
+
+def test_client_leaving_a_stalled_stream_leaks_nothing(bench: FaultBench) -> None:
+    gateway = bench.start()
+    gateway.sims[0].fault = Fault("stall", after_tokens=2)
+    with httpx.stream(
+        "POST",
+        gateway.base_url + "/v1/chat/completions",
+        json={**STREAM, "max_tokens": 10},
+        timeout=30,
+        trust_env=False,
+    ) as response:
+        seen = b""
+        for chunk in response.iter_raw():
+            seen += chunk
+            if seen.count(b"chat.completion.chunk") == 2:
+                break  # the engine stalls; the client gives up and disconnects
+    gateway.assert_no_leaks()
+
+
 # -- Derender ------------------------------------------------------------------------------------
 
 DERENDER_FAULTS = [
@@ -258,12 +297,21 @@ def test_derender_failures_map_to_response_errors_without_reinference(
 # -- request hygiene -------------------------------------------------------------------------
 
 
-def test_a_6_mib_chat_body_goes_through(bench: FaultBench) -> None:
+@pytest.mark.parametrize("mib", [6, 30])
+def test_large_chat_bodies_go_through(bench: FaultBench, mib: int) -> None:
     gateway = bench.start()
-    big = {**CHAT, "metadata": {"blob": "x" * (6 << 20)}}
+    big = {**CHAT, "metadata": {"blob": "x" * (mib << 20)}}
     response = bench.post(big)
     assert response.status_code == 200 and response.json()["object"] == "chat.completion"
     assert len(_generate_calls(gateway)) == 1
+    gateway.assert_no_leaks()
+
+
+def test_a_body_over_the_limit_is_413_and_reaches_nothing(bench: FaultBench) -> None:
+    gateway = bench.start()
+    response = bench.post({**CHAT, "metadata": {"blob": "x" * (33 << 20)}})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert bench.proxy.calls == [] and [r for sim in gateway.sims for r in sim.received] == []
     gateway.assert_no_leaks()
 
 
