@@ -82,7 +82,7 @@ def _render_demand(stack: RunningStack, body: dict[str, Any]) -> int:
 async def test_shared_prefix_lands_where_it_was_served_and_new_prefixes_spread(gateways: Gateways) -> None:
     gateway, _ = gateways.start(4, scheduler={"policy": "kv_cache_affinity"})
     for sim in gateway.sims:
-        sim.token_delay_s = 0.05
+        sim.token_delay_s = 0.1
     url = gateway.base_url + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
         ids = []
@@ -103,7 +103,7 @@ async def test_shared_prefix_lands_where_it_was_served_and_new_prefixes_spread(g
 async def test_load_balance_keeps_active_tokens_within_one_request(gateways: Gateways, stack: RunningStack) -> None:
     gateway, _ = gateways.start(4, scheduler={"policy": "load_balance"})
     for sim in gateway.sims:
-        sim.token_delay_s = 0.05
+        sim.token_delay_s = 0.1
     bodies = [_chat("short", "tell me" + " more" * n, max_tokens=40, stream=True) for n in range(10)]
     biggest = max(_render_demand(stack, b) for b in bodies)
     url = gateway.base_url + "/v1/chat/completions"
