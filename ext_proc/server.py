@@ -51,6 +51,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)
             raise
+        except Exception:
+            # A bug, not a request error: Envoy fails this stream closed (503).
+            log.exception("stream failed in mode %s", exchange.mode.value)
+            raise
         finally:
             exchange.close()
 

@@ -38,7 +38,8 @@ class FakeDerender:
         }
 
 
-def _pipeline(fake: FakeDerender) -> StreamDerender:
+def _pipeline(fake: FakeDerender, has_parser: bool = False) -> StreamDerender:
+    fake.prompt_ids_every_call = has_parser
     request = OpenAIRequest(ApiKind.CHAT, BODY, orjson.dumps(BODY))
     prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
     tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
@@ -108,3 +109,10 @@ async def test_bad_events_never_hang_the_stream(bad: bytes) -> None:
     pipeline = _pipeline(FakeDerender())
     out = await pipeline.feed(bad) + await pipeline.finish()
     assert _events(out)[-1] == b"[DONE]"
+
+
+async def test_with_a_parser_every_call_carries_the_full_prompt_ids() -> None:
+    fake = FakeDerender()
+    pipeline = _pipeline(fake, has_parser=True)
+    await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(0, 7))
+    assert [r.get("prompt_token_ids") for r in fake.requests] == [[1, 2, 3]] * 3
