@@ -109,7 +109,9 @@ class RunningStack:
 def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator[RunningStack]:
     _require_vllm()
     work = tmp_path_factory.mktemp("stack")
-    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None)
+    # Qwen-style parsers, as production runs them: derender then replays with the full prompt.
+    parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None, model=parsers)
     config_path = work / "tito.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     process = subprocess.Popen(
@@ -198,6 +200,8 @@ def start_sim_gateway(
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [Endpoint(port=s.sim.port) for s in servers]
     render_port = render_port or stack.config.render_config.endpoint.port
+    # The model section (path, parsers, context) must match the render sidecar's.
+    sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
     config = gateway_config(work, render_port, engines, stack.model_path, **sections)
     gateway = LocalStack(config, work)
     gateway.start_gateway()

@@ -86,7 +86,9 @@ def test_streaming_derender_matches_the_tokens_the_engine_sent(sim_gateway: SimG
     events = [e for e in raw.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]" and raw.count(b"data: [DONE]") == 1
     chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    # The sidecar runs the qwen3 parser: without </think> all of it is reasoning.
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    text = "".join((d.get("reasoning") or "") + (d.get("content") or "") for d in deltas)
     usage = chunks[-1]["usage"]
     tokens = EngineSim.script(_render_ids(stack, body), 40)
     tokenizer = AutoTokenizer.from_pretrained(stack.model_path)
@@ -157,3 +159,30 @@ def test_fail_closed_when_engine_or_processor_is_down(stack: RunningStack, tmp_p
         gateway.gateway.stop()
         for server in servers:
             server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_reasoning_is_split_from_content_by_the_sidecar_parser(
+    sim_gateway: SimGateway, stack: RunningStack, stream: bool
+) -> None:
+    from transformers import AutoTokenizer
+
+    assert stack.config.model.reasoning_parser == "qwen3"
+    tokenizer = AutoTokenizer.from_pretrained(stack.model_path)
+    sim_gateway.reset()
+    for sim in sim_gateway.sims:
+        sim.tokens = tokenizer.encode("<think>pondering deeply</think>The answer is 4.")
+    try:
+        client = _client(sim_gateway.base_url)
+        if stream:
+            chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, stream=True))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            content = "".join(d.content or "" for d in deltas)
+            reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+        else:
+            message = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64).choices[0].message
+            content, reasoning = message.content or "", getattr(message, "reasoning", None) or ""
+    finally:
+        for sim in sim_gateway.sims:
+            sim.tokens = None
+    assert (reasoning.strip(), content.strip()) == ("pondering deeply", "The answer is 4.")

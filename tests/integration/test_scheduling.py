@@ -186,9 +186,7 @@ def test_refused_instance_is_retried_then_broken_then_probed(gateways: Gateways)
 
 
 def test_context_budget_clamps_max_tokens_and_rejects_what_cannot_fit(gateways: Gateways, stack: RunningStack) -> None:
-    gateway, _ = gateways.start(
-        1, scheduler={"context_budget_mode": "on"}, model={"path": stack.model_path, "max_model_len": 64}
-    )
+    gateway, _ = gateways.start(1, scheduler={"context_budget_mode": "on"}, model={"max_model_len": 64})
     url = gateway.base_url + "/v1/chat/completions"
     fits = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
     prompt_tokens = _render_demand(stack, fits) - 500
