@@ -10,6 +10,12 @@ from protos.stubs import core_pb, ext_proc_pb
 
 LB_NAMESPACE = "envoy.lb"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
+JSON = "application/json"
+# Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read by the processor,
+# never shown to clients.
+UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+HIDDEN_RESPONSE_HEADERS = ("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER)
 # Envoy forwards body pieces of at most this size (envoy-ext-proc.md §2).
 MAX_BODY_PIECE = 62 * 1024
 

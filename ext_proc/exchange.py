@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from uuid import uuid4
 
 import httpx
-import orjson
 
 from ext_proc.config import TitoConfig
 from ext_proc.derender import DerenderClient, StreamDerender, derender_response
 from ext_proc.envoy_messages import (
+    ATTEMPT_COUNT_HEADER,
     DESTINATION_KEY,
+    HIDDEN_RESPONSE_HEADERS,
+    JSON,
+    UPSTREAM_HOST_HEADER,
     Headers,
     header_map,
     local_response,
@@ -36,22 +39,15 @@ from ext_proc.envoy_messages import (
     response_headers_reply,
     response_trailers_reply,
 )
-from ext_proc.errors import GatewayError, error_body, normalize_error_body
+from ext_proc.errors import GatewayError, normalize_error_body
 from ext_proc.http_client import CountingTransport
+from ext_proc.native import replay_native, token_only_unsupported
 from ext_proc.openai_api import is_multi_prompt, parse_request, requested_completion_tokens
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRequest
 from ext_proc.token_only import generate_body, requested_max_tokens
 from ext_proc.tokenization import TokenizationService
 from protos.stubs import ext_proc_pb
 from scheduler import ContextOverflow, Decision, Rejection, Scheduler, ScheduleRequest, clamp_max_tokens
-
-JSON = "application/json"
-# Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read here, never shown to clients.
-UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
-ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
-HIDDEN_RESPONSE_HEADERS = ("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER)
-# What an engine without `/inference/v1/generate` answers (route missing / not implemented).
-TOKEN_ONLY_UNSUPPORTED = frozenset({404, 501})
 
 
 @dataclass
@@ -327,7 +323,7 @@ class Exchange:
         assert self._tokenized is not None
         self._response_done = True
         upstream = bytes(self._response_body)
-        if self.mode is Mode.ERROR and self._status in TOKEN_ONLY_UNSUPPORTED and not _names_a_model(upstream):
+        if self.mode is Mode.ERROR and token_only_unsupported(self._status, upstream):
             async for reply in self._replay_native(end_of_stream):
                 yield reply
             return
@@ -351,45 +347,6 @@ class Exchange:
         address = self._served_by or self._decision.instance.address
         self._services.scheduler.mark_token_only_unsupported(address)
         self._services.native_replays += 1
-        url = f"http://{address}{self._request.api.value}"
-        headers_sent = False
-        try:
-            async with self._services.http.stream(
-                "POST",
-                url,
-                content=self._request.raw,
-                headers={"content-type": JSON},
-                timeout=_replay_timeout(self._services),
-            ) as response:
-                content_type = response.headers.get("content-type", JSON)
-                yield response_headers_reply(
-                    set_headers={":status": str(response.status_code), "content-type": content_type},
-                    remove=HIDDEN_RESPONSE_HEADERS,
-                )
-                headers_sent = True
-                async for chunk in response.aiter_raw():
-                    if chunk:
-                        yield response_body_reply(chunk, False)
-        except httpx.HTTPError as exc:
-            message = f"native replay on {address} failed: {exc!r}"
-            if not headers_sent:
-                yield response_headers_reply(
-                    set_headers={":status": "502", "content-type": JSON}, remove=HIDDEN_RESPONSE_HEADERS
-                )
-                yield response_body_reply(error_body(502, message, code="native_replay_failed"), end_of_stream)
-                return
-        yield response_body_reply(b"", end_of_stream)
-
-
-def _names_a_model(body: bytes) -> bool:
-    """A 404 about the request's model is the engine's verdict, not a missing endpoint."""
-    try:
-        error = orjson.loads(body).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("param") == "model"
-
-
-def _replay_timeout(services: Services) -> httpx.Timeout:
-    idle = services.config.listener.stream_idle_timeout_s
-    return httpx.Timeout(connect=5.0, read=idle, write=idle, pool=5.0)
+        idle_s = self._services.config.listener.stream_idle_timeout_s
+        async for reply in replay_native(self._services.http, address, self._request, idle_s, end_of_stream):
+            yield reply
