@@ -137,7 +137,7 @@ def test_render_400_reaches_the_client_unchanged(bench: FaultBench, stack: Runni
 
 
 def test_render_breaker_skips_render_then_probes(bench: FaultBench) -> None:
-    cooldown = 6.0  # > the first fallback's lazy tokenizer load (seconds on a busy machine)
+    cooldown = 10.0  # well above the first fallback's lazy tokenizer load (seconds on a busy machine)
     gateway = bench.start(render_config={"breaker_cooldown_s": cooldown})
     bench.proxy.faults.append(RenderFault("render", "status", status=503, times=1))
     failed_at = time.monotonic()
