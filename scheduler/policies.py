@@ -26,43 +26,33 @@ class Policy(Protocol):
     def rank(self, candidates: list[Candidate], prompt_tokens: int) -> list[Candidate]: ...
 
 
-class _Rotation:
-    """Rotating tie-break, so equal candidates take turns instead of the first one always winning."""
+class _Rotating:
+    """Ranks by `_load`, then by a turn that advances every decision, so equal candidates
+    take turns instead of the first one always winning."""
+
+    uses_prefix = False
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def next_offset(self) -> int:
-        self._turn += 1
-        return self._turn - 1
-
-    @staticmethod
-    def key(candidate: Candidate, offset: int, n: int) -> int:
-        return (candidate.position - offset) % max(n, 1)
-
-
-class RoundRobin:
-    uses_prefix = False
-
-    def __init__(self) -> None:
-        self._rotation = _Rotation()
+    def _load(self, candidate: Candidate) -> tuple[int, ...]:
+        return ()
 
     def rank(self, candidates: list[Candidate], prompt_tokens: int) -> list[Candidate]:
-        offset, n = self._rotation.next_offset(), _pool_size(candidates)
-        return sorted(candidates, key=lambda c: _Rotation.key(c, offset, n))
+        offset, n = self._turn, _pool_size(candidates)
+        self._turn += 1
+        return sorted(candidates, key=lambda c: (*self._load(c), (c.position - offset) % n))
 
 
-class LoadBalance:
+class RoundRobin(_Rotating):
+    """Each instance in turn, whatever its load."""
+
+
+class LoadBalance(_Rotating):
     """Least active tokens, then fewest active requests."""
 
-    uses_prefix = False
-
-    def __init__(self) -> None:
-        self._rotation = _Rotation()
-
-    def rank(self, candidates: list[Candidate], prompt_tokens: int) -> list[Candidate]:
-        offset, n = self._rotation.next_offset(), _pool_size(candidates)
-        return sorted(candidates, key=lambda c: (c.active_tokens, c.active_requests, _Rotation.key(c, offset, n)))
+    def _load(self, candidate: Candidate) -> tuple[int, ...]:
+        return (candidate.active_tokens, candidate.active_requests)
 
 
 @dataclass(frozen=True)
