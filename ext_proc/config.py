@@ -67,6 +67,19 @@ class RenderConfig(_Strict):
     image_name: str = "vllm/vllm-openai:v0.32.0"
 
 
+class DerenderConfig(_Strict):
+    """Where generate output becomes OpenAI responses.
+
+    in_process: live per-choice state in the processor (vLLM's incremental detokenizer and
+    the model's reasoning/tool parser, fed only new ids): what coupled vLLM serving costs.
+    sidecar: one call to the render sidecar's /derender per event (the RFC baseline, which
+    replays the whole output on every call when a parser is configured); kept as the oracle
+    of the parity tests and for deployments that keep tokenizers out of the gateway.
+    """
+
+    mode: Literal["in_process", "sidecar"] = "in_process"
+
+
 class ModelConfig(_Strict):
     """Read once and shared by the render sidecar and every engine, so both tokenize alike."""
 
@@ -133,6 +146,7 @@ class TitoConfig(_Strict):
     listener: ListenerConfig = ListenerConfig()
     processor: ProcessorConfig = ProcessorConfig()
     render_config: RenderConfig = RenderConfig()
+    derender: DerenderConfig = DerenderConfig()
     model: ModelConfig = ModelConfig()
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     scheduler: SchedulerConfig = SchedulerConfig()
