@@ -162,7 +162,7 @@ class TitoConfig(_Strict):
         return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return str(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:

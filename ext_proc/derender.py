@@ -1,143 +1,153 @@
-"""Derender: generate output (token ids) -> OpenAI responses, through the render sidecar.
+"""Derender: generate output (token ids) -> OpenAI responses; one pipeline, two backends.
 
-One pipeline for every transport: `StreamDerender` takes the raw SSE bytes of one prompt's
-generate stream, however they arrive (Envoy body chunks, or an engine stream the processor
-owns), and returns OpenAI SSE bytes. `derender_response` does the same for a whole
-non-streaming GenerateResponse. Derender failures never re-run inference.
+`StreamDerender` takes the raw SSE bytes of one prompt's generate stream, however they
+arrive (Envoy body chunks, or an engine stream the processor owns), frames them, parses each
+event once, coalesces what is already waiting for the same choice into one step (as native
+serving does under backpressure), and hands each step to the backend's per-stream session:
+`in_process` (live detokenizer and parser state, `derender_in_process.py`) or `sidecar` (the
+render sidecar's /derender, `derender_sidecar.py`). Exactly one `[DONE]` ends the output, also
+after an in-band engine error or a derender failure (as an OpenAI error event). Derender
+failures never re-run inference.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import Any, Protocol
 
-import httpx
 import orjson
 
-from ext_proc.config import RenderConfig
+from ext_proc.config import TitoConfig
+from ext_proc.derender_in_process import DerenderModel, derender_whole, stream_session
+from ext_proc.derender_sidecar import DerenderClient, SidecarDerender
 from ext_proc.errors import GatewayError, error_payload
-from ext_proc.protocol import ApiKind, TokenizedRequest
+from ext_proc.protocol import TokenizedRequest
 from ext_proc.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
 
+log = logging.getLogger("tito.derender")
 
-class DerenderClient:
-    def __init__(self, config: RenderConfig, http: httpx.AsyncClient, served_name: str, has_parser: bool) -> None:
-        self._base = config.endpoint.url
-        self._timeout = config.timeout_ms / 1000
-        self._http = http
-        self.served_name = served_name
-        # With a reasoning/tool parser, derender replays the output and needs the full
-        # prompt ids on every call; without one, only the first call seeds the detokenizer.
-        self.prompt_ids_every_call = has_parser
 
-    async def call(self, path: str, body: bytes) -> dict[str, Any]:
+class StreamSession(Protocol):
+    """One prompt's derender state (one entry per choice inside)."""
+
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        """Parsed generate events (with their raw payloads) that arrived together -> SSE bytes."""
+        ...
+
+
+class Derenderer(Protocol):
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession: ...
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes: ...
+
+
+class InProcessDerender:
+    """Live state in the processor: the work per event is O(its new ids), on the loop (a few
+    tens of µs, measured by `tests/bench/derender_bench.py`); whole responses, which cost
+    O(output), run on a thread so a long answer never stalls other streams."""
+
+    def __init__(self, model: DerenderModel) -> None:
+        self.model = model
+
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
+        return _InProcessStream(self.model, request, prompt_index)
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+        generate = _loads(generate_body)
         try:
-            response = await self._http.post(
-                self._base + path, content=body, headers={"content-type": "application/json"}, timeout=self._timeout
-            )
-        except httpx.TimeoutException as exc:
-            raise GatewayError(504, f"derender timed out: {exc!r}", code="derender_timeout") from exc
-        except httpx.HTTPError as exc:
-            raise GatewayError(502, f"derender unavailable: {exc!r}", code="derender_unavailable") from exc
-        if response.status_code != 200:
-            raise _derender_error(response)
+            return await asyncio.to_thread(derender_whole, self.model, request, generate)
+        except Exception as exc:
+            log.exception("in-process derender failed")
+            raise GatewayError(500, f"derender failed: {exc!r}", code="derender_failed") from exc
+
+
+class _InProcessStream:
+    def __init__(self, model: DerenderModel, request: TokenizedRequest, prompt_index: int) -> None:
+        self._args = (model, request, prompt_index)
+        self._session: Any = None
+
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         try:
-            parsed = orjson.loads(response.content)
-        except orjson.JSONDecodeError as exc:
-            raise GatewayError(502, "derender returned invalid JSON", code="derender_invalid") from exc
-        if not isinstance(parsed, dict):
-            raise GatewayError(502, "derender returned no JSON object", code="derender_invalid")
-        return parsed
+            if self._session is None:  # made on the first event, so a failure is a stream error
+                self._session = stream_session(*self._args)
+            return bytes(self._session.steps([event for event, _ in events]))
+        except Exception as exc:
+            log.exception("in-process stream derender failed")
+            raise GatewayError(500, f"derender failed: {exc!r}", code="derender_failed") from exc
 
 
-def _derender_error(response: httpx.Response) -> GatewayError:
-    status = response.status_code
+def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
+    """The configured backend. Both load the engines' tokenizer (vLLM, torch: seconds) now,
+    at start-up, never on a request; the sidecar mode uses it only for its corrections."""
+    model = DerenderModel(config.model)
+    if config.derender.mode == "sidecar":
+        return SidecarDerender(client, model.logprobs)
+    return InProcessDerender(model)
+
+
+def _loads(body: bytes) -> dict[str, Any]:
     try:
-        detail = orjson.loads(response.content)["error"]["message"]
-    except Exception:  # noqa: BLE001 - any non-OpenAI body: keep its text
-        detail = response.text[:500]
-    if status in (400, 422):
-        return GatewayError(status, f"derender rejected the output: {detail}", code="derender_rejected")
-    if status in (404, 501):
-        return GatewayError(501, f"derender unsupported: {detail}", code="derender_unsupported")
-    return GatewayError(502, f"derender failed with HTTP {status}: {detail}", code="derender_failed")
-
-
-def _static_fields(client: DerenderClient, request: TokenizedRequest) -> bytes:
-    """The per-request part of every derender call, serialized once."""
-    return (
-        b',"model":'
-        + orjson.dumps(client.served_name)
-        + b',"'
-        + request.api.client_request_key.encode()
-        + b'":'
-        + request.request.raw
-    )
-
-
-async def derender_response(client: DerenderClient, request: TokenizedRequest, generate_body: bytes) -> bytes:
-    """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
-    prompt = request.prompts[0]
-    if request.api is ApiKind.CHAT:
-        body = (
-            b'{"generate_response":'
-            + generate_body
-            + b',"prompt_tokens":'
-            + orjson.dumps(len(prompt.token_ids))
-            + b',"prompt_token_ids":'
-            + orjson.dumps(prompt.token_ids)
-        )
-    else:
-        body = (
-            b'{"generate_responses":['
-            + generate_body
-            + b'],"prompt_tokens":'
-            + orjson.dumps([len(p.token_ids) for p in request.prompts])
-            + b',"prompt_token_ids":'
-            + orjson.dumps([p.token_ids for p in request.prompts])
-        )
-    result = await client.call(request.api.derender_path, body + _static_fields(client, request) + b"}")
-    result["id"] = request.request_id
-    return orjson.dumps(result)
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(502, "engine returned invalid JSON", code="engine_invalid_response") from exc
+    if not isinstance(parsed, dict):
+        raise GatewayError(502, "engine returned no JSON object", code="engine_invalid_response")
+    return parsed
 
 
 class StreamDerender:
-    """One prompt's generate SSE stream in, OpenAI SSE out; one `stream_state` per choice.
+    """One prompt's generate SSE stream in, OpenAI SSE out."""
 
-    A state advances only after derender succeeded for its chunk. Exactly one `[DONE]` is
-    emitted, after an in-band engine error or a derender failure too (as an error event).
-    """
-
-    def __init__(self, client: DerenderClient, request: TokenizedRequest, prompt_index: int = 0) -> None:
-        self._client = client
-        self._request = request
-        self._prompt = request.prompts[prompt_index]
+    def __init__(self, session: StreamSession) -> None:
+        self._session = session
         self._framer = SSEFramer()
-        self._states: dict[int, Any] = {}
-        self._static = (
-            b',"prompt_tokens":' + orjson.dumps(len(self._prompt.token_ids)) + _static_fields(client, request) + b"}"
-        )
-        self._prompt_ids = b',"prompt_token_ids":' + orjson.dumps(self._prompt.token_ids)
         self.done = False
 
     async def feed(self, raw: bytes) -> bytes:
-        out = bytearray()
-        for payload in self._framer.feed(raw):
-            out += await self._event(payload)
-        return bytes(out)
+        return await self._events(self._framer.feed(raw))
 
     async def finish(self) -> bytes:
         """End of the generate stream: whatever is left, and the one `[DONE]`."""
-        out = bytearray()
-        for payload in self._framer.flush():
-            out += await self._event(payload)
+        out = await self._events(self._framer.flush())
         if not self.done:
             self.done = True
             out += DONE_EVENT
+        return out
+
+    async def _events(self, payloads: list[bytes]) -> bytes:
+        """Everything that arrived together goes to the session in one call, so a backend
+        can answer it with fewer chunks (backpressure); [DONE] or an error ends it."""
+        out = bytearray()
+        waiting: list[tuple[dict[str, Any], bytes]] = []
+        for payload in payloads:
+            if self.done:
+                break
+            event = self._parse(payload)
+            if event is not None:
+                waiting.append((event, payload))
+                continue
+            out += await self._steps(waiting)
+            waiting = []
+            if not self.done:
+                out += self._end(payload)
+        if waiting and not self.done:
+            out += await self._steps(waiting)
         return bytes(out)
 
-    async def _event(self, payload: bytes) -> bytes:
-        if self.done:
-            return b""
+    def _parse(self, payload: bytes) -> dict[str, Any] | None:
+        if payload == DONE:
+            return None
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(event, dict) or "error" in event:
+            return None
+        return event
+
+    def _end(self, payload: bytes) -> bytes:
+        """[DONE], an in-band engine error, or an event that is not JSON."""
         if payload == DONE:
             self.done = True
             return DONE_EVENT
@@ -145,30 +155,21 @@ class StreamDerender:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return self._fail(502, "engine sent an invalid stream event", "engine_invalid_event")
-        if "error" in event:
-            error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
-            return self._fail(500, str(error.get("message", "engine error")), error.get("code") or "engine_error")
-        choices = event.get("choices") or []
-        index = choices[0].get("index", 0) if choices else -1
+        error = event.get("error") if isinstance(event, dict) else None
+        if error is None:
+            return self._fail(502, "engine sent an invalid stream event", "engine_invalid_event")
+        error = error if isinstance(error, dict) else {"message": str(error)}
+        return self._fail(500, str(error.get("message", "engine error")), error.get("code") or "engine_error")
+
+    async def _steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        if not events:
+            return b""
         try:
-            result = await self._client.call(self._request.api.derender_path, self._body(payload, index))
+            return await self._session.steps(events)
         except GatewayError as exc:
             return self._fail(exc.status, exc.message, exc.code)
-        chunk = result.get("chunk")
-        if not isinstance(chunk, dict):
-            return self._fail(502, "derender returned no chunk", "derender_invalid")
-        if index >= 0:
-            self._states[index] = result.get("stream_state")
-        chunk["id"] = self._request.request_id
-        return sse_event(orjson.dumps(chunk))
-
-    def _body(self, payload: bytes, index: int) -> bytes:
-        body = b'{"stream":true,"generate_chunk":' + payload
-        body += b',"stream_state":' + orjson.dumps(self._states.get(index))
-        if self._client.prompt_ids_every_call or self._states.get(index) is None:
-            body += self._prompt_ids
-        return body + self._static
 
     def _fail(self, status: int, message: str, code: str | int | None) -> bytes:
         self.done = True
         return sse_event(orjson.dumps(error_payload(status, message, code=code))) + DONE_EVENT
+

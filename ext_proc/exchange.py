@@ -22,7 +22,7 @@ from uuid import uuid4
 import httpx
 
 from ext_proc.config import TitoConfig
-from ext_proc.derender import DerenderClient, StreamDerender, derender_response
+from ext_proc.derender import Derenderer, StreamDerender
 from ext_proc.envoy_messages import (
     ATTEMPT_COUNT_HEADER,
     DESTINATION_KEY,
@@ -56,7 +56,7 @@ class Services:
 
     config: TitoConfig
     tokenization: TokenizationService
-    derender: DerenderClient
+    derender: Derenderer
     scheduler: Scheduler
     http: httpx.AsyncClient
     http_streams: CountingTransport
@@ -217,7 +217,7 @@ class Exchange:
             remove=("content-length", DESTINATION_KEY),
             destination=",".join(decision.hosts),
         )
-        return [headers, *request_body_replies(generate_body(prompt, max_tokens))]
+        return [headers, *request_body_replies(generate_body(prompt, max_tokens, tokenized.api))]
 
     def _route_native(self, request: OpenAIRequest, decision: Decision) -> list[ext_proc_pb.ProcessingResponse]:
         """The original OpenAI body to the engine's own endpoint; its response passes through."""
@@ -262,7 +262,7 @@ class Exchange:
         assert self._tokenized is not None
         if self._status == 200 and self._tokenized.stream and content_type.startswith("text/event-stream"):
             self.mode = Mode.STREAM
-            self._derender = StreamDerender(self._services.derender, self._tokenized)
+            self._derender = StreamDerender(self._services.derender.stream(self._tokenized))
             yield response_headers_reply(remove=HIDDEN_RESPONSE_HEADERS)
         else:
             self.mode = Mode.BUFFERED if self._status == 200 else Mode.ERROR
@@ -330,7 +330,7 @@ class Exchange:
         status = self._status
         if self.mode is Mode.BUFFERED:
             try:
-                body = await derender_response(self._services.derender, self._tokenized, upstream)
+                body = await self._services.derender.whole(self._tokenized, upstream)
             except GatewayError as error:
                 status, body = error.status, error.body
         else:

@@ -12,7 +12,8 @@ import httpx
 
 from ext_proc.admin import start_admin
 from ext_proc.config import TitoConfig
-from ext_proc.derender import DerenderClient
+from ext_proc.derender import build_derenderer
+from ext_proc.derender_sidecar import DerenderClient
 from ext_proc.exchange import Exchange, Services
 from ext_proc.http_client import CountingTransport, http_client
 from ext_proc.render import RenderClient
@@ -83,7 +84,7 @@ def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: Countin
     return Services(
         config=config,
         tokenization=tokenization,
-        derender=DerenderClient(render, http, config.model.served_name, config.model.has_parser),
+        derender=build_derenderer(config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)),
         scheduler=build_scheduler(config),
         http=http,
         http_streams=streams,

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import orjson
 
-from ext_proc.protocol import DEFAULT_MAX_TOKENS, PromptTokens
+from ext_proc.protocol import DEFAULT_MAX_TOKENS, ApiKind, PromptTokens
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
-def generate_body(prompt: PromptTokens, max_tokens: int) -> bytes:
+def generate_body(prompt: PromptTokens, max_tokens: int, api: ApiKind) -> bytes:
     """The engine body for one prompt: render's GenerateRequest with the gateway's final
     max_tokens (always explicit: see `requested_max_tokens`)."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     body = dict(prompt.generate_request)
     body["sampling_params"] = {**prompt.sampling_params, "max_tokens": max_tokens}
+    logprobs = prompt.sampling_params.get("logprobs")
+    if api is ApiKind.COMPLETIONS and isinstance(logprobs, int) and 0 <= logprobs < MAX_LOGPROBS:
+        # Completions show the sampled token plus the top k; generate cuts its list to k
+        # entries in all, so ask for one more and let derender keep ranks 1..k.
+        body["sampling_params"]["logprobs"] = logprobs + 1
     # Derender only understands token output; an old engine that ignores this field still
     # answers in tokens, a newer one must not switch modes on us.
     body["output_mode"] = "tokens"

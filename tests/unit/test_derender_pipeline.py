@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.derender import DerenderClient, StreamDerender
+from ext_proc.derender import StreamDerender
+from ext_proc.derender_sidecar import DerenderClient, SidecarStream
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 
@@ -38,13 +39,17 @@ class FakeDerender:
         }
 
 
-def _pipeline(fake: FakeDerender, has_parser: bool = False) -> StreamDerender:
+def _session(fake: FakeDerender, has_parser: bool = False) -> SidecarStream:
     fake.prompt_ids_every_call = has_parser
     request = OpenAIRequest(ApiKind.CHAT, BODY, orjson.dumps(BODY))
     prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
     tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
     client: DerenderClient = fake  # type: ignore[assignment]
-    return StreamDerender(client, tokenized)
+    return SidecarStream(client, tokenized, 0, None)
+
+
+def _pipeline(fake: FakeDerender, has_parser: bool = False) -> StreamDerender:
+    return StreamDerender(_session(fake, has_parser))
 
 
 def _event(index: int, token: int) -> bytes:
@@ -95,13 +100,16 @@ async def test_inband_engine_error_ends_the_stream() -> None:
 
 async def test_derender_failure_does_not_advance_the_state() -> None:
     fake = FakeDerender(fail_on_call=2)
-    pipeline = _pipeline(fake)
-    out = await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(0, 7))
+    session = _session(fake)
+    pipeline = StreamDerender(session)
+    out = b""
+    for token in (5, 6, 7):  # one event at a time: nothing to coalesce
+        out += await pipeline.feed(_event(0, token))
     events = _events(out + await pipeline.finish())
     assert orjson.loads(events[1])["error"]["code"] == "derender_rejected"
     assert events[2:] == [b"[DONE]"]
     assert len(fake.requests) == 2
-    assert pipeline._states == {0: {"calls": 1}}
+    assert session._states == {0: {"calls": 1}}
 
 
 @pytest.mark.parametrize("bad", [b"data: {not json\n\n", b'data: {"choices": []}\n\n'])
@@ -114,5 +122,17 @@ async def test_bad_events_never_hang_the_stream(bad: bytes) -> None:
 async def test_with_a_parser_every_call_carries_the_full_prompt_ids() -> None:
     fake = FakeDerender()
     pipeline = _pipeline(fake, has_parser=True)
-    await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(0, 7))
+    for token in (5, 6, 7):
+        await pipeline.feed(_event(0, token))
     assert [r.get("prompt_token_ids") for r in fake.requests] == [[1, 2, 3]] * 3
+
+
+async def test_events_waiting_together_are_one_step_per_choice() -> None:
+    """Backpressure: what arrives in one body chunk is derendered once per run of one choice."""
+    fake = FakeDerender()
+    pipeline = _pipeline(fake)
+    finish = b'data: {"choices": [{"index": 0, "token_ids": [9], "finish_reason": "length"}]}\n\n'
+    out = await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(1, 7) + _event(0, 8) + finish + _event(0, 10))
+    steps = [[(c["index"], c["token_ids"], c.get("finish_reason")) for c in r["generate_chunk"]["choices"]] for r in fake.requests]
+    assert steps == [[(0, [5, 6], None)], [(1, [7], None)], [(0, [8, 9], "length")], [(0, [10], None)]]
+    assert len(_events(out)) == 4

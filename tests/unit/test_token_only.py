@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import orjson
 
-from ext_proc.protocol import PromptTokens
+from ext_proc.protocol import ApiKind, PromptTokens
 from ext_proc.token_only import generate_body, requested_max_tokens
 
 RENDERED = {
@@ -18,7 +18,7 @@ RENDERED = {
 def test_max_tokens_16_restored_when_render_omitted_it() -> None:
     prompt = PromptTokens.rendered(RENDERED)
     assert requested_max_tokens(prompt) == 16
-    body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt)))
+    body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt), ApiKind.CHAT))
     assert body["sampling_params"]["max_tokens"] == 16
     assert "max_tokens" not in RENDERED["sampling_params"]  # render output left intact
 
@@ -27,9 +27,16 @@ def test_render_fields_pass_through_with_the_final_max_tokens() -> None:
     rendered = {**RENDERED, "sampling_params": {"max_tokens": 700, "seed": 3}}
     prompt = PromptTokens.rendered(rendered)
     assert requested_max_tokens(prompt) == 700
-    body = orjson.loads(generate_body(prompt, 44))
+    body = orjson.loads(generate_body(prompt, 44, ApiKind.CHAT))
     assert body["token_ids"] == [1, 2, 3]
     assert body["sampling_params"] == {"max_tokens": 44, "seed": 3}
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     assert body["output_mode"] == "tokens"
     assert "messages" not in body
+
+
+def test_completions_logprobs_ask_the_engine_for_one_more_candidate() -> None:
+    """Native completions list the sampled token and the top k; generate's list holds k in all."""
+    prompt = PromptTokens.rendered({**RENDERED, "sampling_params": {"logprobs": 2}})
+    assert orjson.loads(generate_body(prompt, 8, ApiKind.COMPLETIONS))["sampling_params"]["logprobs"] == 3
+    assert orjson.loads(generate_body(prompt, 8, ApiKind.CHAT))["sampling_params"]["logprobs"] == 2

@@ -1,0 +1,145 @@
+"""Logprobs: generate's integer-id `GenerateLogProbs` -> the OpenAI shapes native vLLM serves.
+
+Native serving decodes each position's ids on the engine (`LogprobsProcessor`: one
+`convert_ids_list_to_tokens` per position, U+FFFD repaired with the last four sampled ids as
+context) into `dict[id, Logprob]`, sampled id first; chat keeps the first `top_logprobs`
+entries of that dict, completions the first `logprobs + 1`. Both derender modes use this
+module, so their logprobs are the engine's, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NAN_LOGPROB = -9999.0
+CONTEXT_WINDOW = 4  # enough preceding ids to complete any UTF-8 sequence
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token_id: int
+    logprob: float
+    text: str  # decoded as the engine decodes logprob tokens
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class Position:
+    """One output position as the engine's logprobs processor holds it: the sampled token
+    first, then the candidates (a repeated id keeps its first place, as in the engine's dict)."""
+
+    candidates: list[Candidate]
+
+    @property
+    def sampled(self) -> Candidate:
+        return self.candidates[0]
+
+
+class LogprobDecoder:
+    """Decodes positions with the engine's rules; `context` carries the last sampled ids of a
+    choice across chunks, so a multi-byte character split over chunks still resolves."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+        self._tokenizer = tokenizer
+        self._convert = convert_ids_list_to_tokens
+
+    def positions(self, logprobs: dict[str, Any] | None, context: list[int]) -> list[Position]:
+        """Every entry of a generate choice's `logprobs.content`; `context` is advanced in place."""
+        out: list[Position] = []
+        for entry in (logprobs or {}).get("content") or []:
+            out.append(self._position(entry, context))
+            context.append(int(entry["token_id"]))
+            del context[:-CONTEXT_WINDOW]
+        return out
+
+    def _position(self, entry: dict[str, Any], context: list[int]) -> Position:
+        sampled = int(entry["token_id"])
+        # dict semantics of the engine: the sampled id first, a repeated id keeps its place
+        seen: dict[int, tuple[float, int | None]] = {sampled: (_clamp(entry.get("logprob")), entry.get("rank"))}
+        for top in entry.get("top_logprobs") or []:
+            seen.setdefault(int(top["token_id"]), (_clamp(top.get("logprob")), top.get("rank")))
+        ids = list(seen)
+        decoded = self._convert(self._tokenizer, ids)
+        for i, text in enumerate(decoded):
+            if text.endswith("\ufffd"):
+                decoded[i] = self._correct(ids[i], context)
+        return Position([Candidate(t, seen[t][0], decoded[i], seen[t][1]) for i, t in enumerate(ids)])
+
+    def _correct(self, token_id: int, context: list[int]) -> str:
+        """The engine's `_correct_decoded_token`: decode with preceding ids, keep the new part."""
+        decode = self._tokenizer.decode
+        for n in range(1, min(len(context), CONTEXT_WINDOW) + 1):
+            window = context[-n:]
+            full = decode(window + [token_id])
+            if full.endswith("\ufffd"):
+                continue
+            clean_end = len(window)
+            for j in range(len(window) - 1, -1, -1):
+                if decode([window[j]]).endswith("\ufffd"):
+                    clean_end = j
+                else:
+                    break
+            prefix = decode(window[:clean_end]) if clean_end > 0 else ""
+            if full.startswith(prefix):
+                return str(full[len(prefix) :])
+            common = 0
+            for a, b in zip(prefix, full, strict=False):
+                if a != b:
+                    break
+                common += 1
+            return str(full[common:])
+        return ""
+
+
+def _clamp(value: Any) -> float:
+    return NAN_LOGPROB if value is None else max(float(value), NAN_LOGPROB)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None) -> dict[str, Any]:
+    """`ChatCompletionLogProbs` as native chat serving builds it (`_create_chat_logprobs`)."""
+    content = []
+    for position in positions:
+        tops = [
+            {"token": c.text, "logprob": c.logprob, "bytes": _bytes(c.text)}
+            for i, c in enumerate(position.candidates)
+            if top_logprobs == -1 or (top_logprobs is not None and i < top_logprobs)
+        ]
+        sampled = position.sampled
+        content.append(
+            {"token": sampled.text, "logprob": sampled.logprob, "bytes": _bytes(sampled.text), "top_logprobs": tops}
+        )
+    return {"content": content}
+
+
+def completion_logprobs(positions: Sequence[Position], top: int, text_offset: int) -> dict[str, Any]:
+    """`CompletionLogProbs` as native completions serving builds it; `text_offset` is where
+    this chunk's first token starts in the choice's text. The engine was asked for k + 1
+    candidates (`token_only.generate_body`): the sampled token and ranks 1..k are kept."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for position in positions:
+        offsets.append(text_offset if not offsets else offsets[-1] + len(tokens[-1]))
+        tokens.append(position.sampled.text)
+        token_logprobs.append(position.sampled.logprob)
+        kept = [c for i, c in enumerate(position.candidates) if top == -1 or i == 0 or (c.rank or 0) <= top]
+        top_logprobs.append({c.text: c.logprob for c in kept})
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
+
+
+def trim_completion_candidates(generate: dict[str, Any], top: int) -> None:
+    """For a derenderer that shows every candidate it gets (the sidecar): drop, in place, the
+    extra candidate `generate_body` asked for, keeping the sampled token and ranks 1..top."""
+    for choice in generate.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            tops = entry.get("top_logprobs") or []
+            entry["top_logprobs"] = [t for i, t in enumerate(tops) if i == 0 or (t.get("rank") or 0) <= top]

@@ -1,0 +1,260 @@
+"""Derender through the render sidecar (`/…/derender`): the RFC baseline and the parity oracle.
+
+One HTTP call per generate event with a `stream_state` per choice (vLLM 0.32 replays the
+whole output on every call when a parser is configured), one call per whole response. Two
+places where 0.32's derender differs from native serving are corrected here, with the
+gateway's own tokenizer: a non-streaming tool-call answer gets `finish_reason: tool_calls`,
+and a parser-enabled stream gets its logprobs back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+from ext_proc.config import RenderConfig
+from ext_proc.derender_logprobs import LogprobDecoder, chat_logprobs, trim_completion_candidates
+from ext_proc.errors import GatewayError
+from ext_proc.protocol import ApiKind, TokenizedRequest
+from ext_proc.streaming import sse_event
+
+
+class DerenderClient:
+    def __init__(self, config: RenderConfig, http: httpx.AsyncClient, served_name: str, has_parser: bool) -> None:
+        self._base = config.endpoint.url
+        self._timeout = config.timeout_ms / 1000
+        self._http = http
+        self.served_name = served_name
+        # With a reasoning/tool parser, derender replays the output and needs the full
+        # prompt ids on every call; without one, only the first call seeds the detokenizer.
+        self.prompt_ids_every_call = has_parser
+
+    async def call(self, path: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = await self._http.post(
+                self._base + path, content=body, headers={"content-type": "application/json"}, timeout=self._timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise GatewayError(504, f"derender timed out: {exc!r}", code="derender_timeout") from exc
+        except httpx.HTTPError as exc:
+            raise GatewayError(502, f"derender unavailable: {exc!r}", code="derender_unavailable") from exc
+        if response.status_code != 200:
+            raise _derender_error(response)
+        try:
+            parsed = orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(502, "derender returned invalid JSON", code="derender_invalid") from exc
+        if not isinstance(parsed, dict):
+            raise GatewayError(502, "derender returned no JSON object", code="derender_invalid")
+        return parsed
+
+
+def _derender_error(response: httpx.Response) -> GatewayError:
+    status = response.status_code
+    try:
+        detail = orjson.loads(response.content)["error"]["message"]
+    except Exception:  # noqa: BLE001 - any non-OpenAI body: keep its text
+        detail = response.text[:500]
+    if status in (400, 422):
+        return GatewayError(status, f"derender rejected the output: {detail}", code="derender_rejected")
+    if status in (404, 501):
+        return GatewayError(501, f"derender unsupported: {detail}", code="derender_unsupported")
+    return GatewayError(502, f"derender failed with HTTP {status}: {detail}", code="derender_failed")
+
+
+def _static_fields(client: DerenderClient, request: TokenizedRequest) -> bytes:
+    """The per-request part of every derender call, serialized once."""
+    return (
+        b',"model":'
+        + orjson.dumps(client.served_name)
+        + b',"'
+        + request.api.client_request_key.encode()
+        + b'":'
+        + request.request.raw
+    )
+
+
+class SidecarDerender:
+    """The sidecar as a derender backend (see `ext_proc.derender.Derenderer`)."""
+
+    def __init__(self, client: DerenderClient, logprobs: LogprobDecoder | None) -> None:
+        self._client = client
+        self._logprobs = logprobs  # the gateway's tokenizer, for the corrections
+
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> SidecarStream:
+        return SidecarStream(self._client, request, prompt_index, self._logprobs)
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+        """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
+        prompt = request.prompts[0]
+        top = _completion_logprobs(request)
+        generate = orjson.loads(generate_body)
+        if top is not None:
+            trim_completion_candidates(generate, top)
+        dropped = _drop_stop_token(generate)
+        if top is not None or dropped:
+            generate_body = orjson.dumps(generate)
+        if request.api is ApiKind.CHAT:
+            body = (
+                b'{"generate_response":'
+                + generate_body
+                + b',"prompt_tokens":'
+                + orjson.dumps(len(prompt.token_ids))
+                + b',"prompt_token_ids":'
+                + orjson.dumps(prompt.token_ids)
+            )
+        else:
+            body = (
+                b'{"generate_responses":['
+                + generate_body
+                + b'],"prompt_tokens":'
+                + orjson.dumps([len(p.token_ids) for p in request.prompts])
+                + b',"prompt_token_ids":'
+                + orjson.dumps([p.token_ids for p in request.prompts])
+            )
+        result = await self._client.call(request.api.derender_path, body + _static_fields(self._client, request) + b"}")
+        result["id"] = request.request_id
+        if dropped and isinstance(result.get("usage"), dict) and isinstance(generate.get("usage"), dict):
+            # the engine's count, with the stop token derender was not shown
+            for key in ("completion_tokens", "total_tokens"):
+                result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
+        if request.api is ApiKind.CHAT:
+            _tool_calls_finish_reason(result, request.request.body)
+        return orjson.dumps(result)
+
+
+def _drop_stop_token(generate: dict[str, Any]) -> bool:
+    """Native serving never detokenizes the EOS or stop-token id that ended generation (the
+    engine's detokenizer skips it); vLLM 0.32's derender does, and with a parser configured
+    (special tokens kept) `<|im_end|>` would reach the client. Removes it in place."""
+    dropped = False
+    for choice in generate.get("choices") or []:
+        ids = choice.get("token_ids") or []
+        stop_reason = choice.get("stop_reason")
+        if choice.get("finish_reason") == "stop" and not isinstance(stop_reason, str) and len(ids) > 1:
+            choice["token_ids"] = ids[:-1]
+            dropped = True
+    return dropped
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _completion_logprobs(request: TokenizedRequest) -> int | None:
+    top = request.request.body.get("logprobs")
+    return top if request.api is ApiKind.COMPLETIONS and isinstance(top, int) and top >= 0 else None
+
+
+def _tool_calls_finish_reason(result: dict[str, Any], body: dict[str, Any]) -> None:
+    """Native serving reports `tool_calls` when the answer called tools (auto or required);
+    vLLM 0.32's derender passes the engine's `stop` through."""
+    tool_choice = body.get("tool_choice")
+    if isinstance(tool_choice, dict):  # a named function: native keeps the engine's reason
+        return
+    for choice in result.get("choices") or []:
+        message = choice.get("message") or {}
+        called = bool(message.get("tool_calls"))
+        if (called and tool_choice in (None, "auto")) or (tool_choice == "required" and choice.get("finish_reason") == "stop"):
+            choice["finish_reason"] = "tool_calls"
+
+
+class SidecarStream:
+    """One prompt's events through the sidecar, one `stream_state` per choice. A state
+    advances only after derender succeeded for its event."""
+
+    def __init__(
+        self, client: DerenderClient, request: TokenizedRequest, prompt_index: int, logprobs: LogprobDecoder | None
+    ) -> None:
+        self._client = client
+        self._request = request
+        prompt = request.prompts[prompt_index]
+        self._states: dict[int, Any] = {}
+        self._static = (
+            b',"prompt_tokens":' + orjson.dumps(len(prompt.token_ids)) + _static_fields(client, request) + b"}"
+        )
+        self._prompt_ids = b',"prompt_token_ids":' + orjson.dumps(prompt.token_ids)
+        # vLLM 0.32's parser path drops stream logprobs; the gateway resolves them itself.
+        body = request.request.body
+        self._fix_logprobs = (
+            logprobs if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs") else None
+        )
+        self._top_logprobs = body.get("top_logprobs")
+        self._completion_top = _completion_logprobs(request)
+        self._logprob_context: dict[int, list[int]] = {}
+
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        """One sidecar call per run of waiting events of one choice (fewer calls under
+        backpressure; the sidecar replays chunk by chunk with the merged sizes)."""
+        out = bytearray()
+        for event, payload in _coalesce(events):
+            if self._completion_top is not None:
+                trim_completion_candidates(event, self._completion_top)
+                payload = b""
+            if _drop_stop_token(event):
+                payload = b""
+            out += await self._step(event, payload or orjson.dumps(event))
+        return bytes(out)
+
+    async def _step(self, event: dict[str, Any], payload: bytes) -> bytes:
+        choices = event.get("choices") or []
+        index = int(choices[0].get("index", 0)) if choices else -1
+        result = await self._client.call(self._request.api.derender_path, self._body(payload, index))
+        chunk = result.get("chunk")
+        if not isinstance(chunk, dict):
+            raise GatewayError(502, "derender returned no chunk", code="derender_invalid")
+        if index >= 0:
+            self._states[index] = result.get("stream_state")
+            if self._fix_logprobs is not None:
+                self._add_logprobs(chunk, choices[0])
+        chunk["id"] = self._request.request_id
+        if not choices:  # the usage chunk: native serializes it without nulls
+            chunk = _without_nulls(chunk)
+        return sse_event(orjson.dumps(chunk))
+
+    def _add_logprobs(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
+        assert self._fix_logprobs is not None
+        context = self._logprob_context.setdefault(int(choice.get("index", 0)), [])
+        positions = self._fix_logprobs.positions(choice.get("logprobs"), context)
+        for out in chunk.get("choices") or []:
+            if out.get("logprobs") is None and positions:
+                out["logprobs"] = chat_logprobs(positions, self._top_logprobs)
+
+    def _body(self, payload: bytes, index: int) -> bytes:
+        body = b'{"stream":true,"generate_chunk":' + payload
+        body += b',"stream_state":' + orjson.dumps(self._states.get(index))
+        if self._client.prompt_ids_every_call or self._states.get(index) is None:
+            body += self._prompt_ids
+        return body + self._static
+
+
+def _coalesce(events: list[tuple[dict[str, Any], bytes]]) -> list[tuple[dict[str, Any], bytes]]:
+    """Runs of events of the same choice as one: ids and logprobs concatenated, the last
+    event's finish. A merged event has no raw payload (b"")."""
+    out: list[tuple[dict[str, Any], bytes]] = []
+    for event, payload in events:
+        merged = _merge(out[-1][0], event) if out else None
+        if merged is None:
+            out.append((event, payload))
+        else:
+            out[-1] = (merged, b"")
+    return out
+
+
+def _merge(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any] | None:
+    a, b = first.get("choices"), second.get("choices")
+    if not a or not b or len(a) != 1 or len(b) != 1 or first.get("usage") or second.get("usage"):
+        return None
+    ca, cb = a[0], b[0]
+    if ca.get("index", 0) != cb.get("index", 0) or ca.get("finish_reason") is not None:
+        return None
+    merged = dict(cb)
+    merged["token_ids"] = list(ca.get("token_ids") or []) + list(cb.get("token_ids") or [])
+    la, lb = ca.get("logprobs"), cb.get("logprobs")
+    if la is not None or lb is not None:
+        merged["logprobs"] = {"content": list((la or {}).get("content") or []) + list((lb or {}).get("content") or [])}
+    return {**second, "choices": [merged]}

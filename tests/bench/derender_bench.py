@@ -1,0 +1,95 @@
+"""In-process streaming derender on its own: µs per chunk, and whether it grows with output.
+
+A 2,000-token chat answer (reasoning, content with CJK and emoji, a tool call) from the
+tiny model's tokenizer, fed one token per generate event through the live-state derender
+with the qwen3 and hermes parsers, as the processor runs it. Prints the median cost of the
+first and last 200 chunks (their ratio must stay near 1: no per-chunk work that grows with
+the output) and the chunks/s one process reaches on this stage alone.
+
+    python -m tests.bench.derender_bench [--tokens 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import orjson
+
+from ext_proc.config import ModelConfig
+from ext_proc.derender_in_process import ChatStream, DerenderModel
+from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.tiny_model import ensure_tiny_model
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+SENTENCE = "the little robot walks to 東京 and says こんにちは 🐉🚀 to everyone it meets, "
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🗼"}}\n</tool_call>'
+
+
+def answer_ids(model: DerenderModel, n_tokens: int) -> list[int]:
+    """Token ids of `<think>…</think>` + content + a tool call, about `n_tokens` long."""
+    encode = model.tokenizer.encode
+    reasoning, content, tail = encode("<think>\n"), [], encode("\n</think>\n\n")
+    while len(reasoning) + len(content) < n_tokens - 40:
+        reasoning += encode(SENTENCE)
+        content += encode(SENTENCE)
+    ids = reasoning[: n_tokens // 2] + tail + content[: n_tokens // 2] + encode(TOOL_CALL)
+    return [int(t) for t in ids[:n_tokens]]
+
+
+def request(model: DerenderModel) -> TokenizedRequest:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True}
+    prompt = PromptTokens.rendered(
+        {
+            "token_ids": [
+                int(t) for t in model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+            ],
+            "sampling_params": {"skip_special_tokens": False},
+            "request_id": "chatcmpl-bench",
+        }
+    )
+    return TokenizedRequest(OpenAIRequest(ApiKind.CHAT, body, orjson.dumps(body)), "chatcmpl-bench", [prompt])
+
+
+def run(n_tokens: int) -> dict[str, float]:
+    path = str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))
+    model = DerenderModel(
+        ModelConfig(path=path, reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    )
+    ids = answer_ids(model, n_tokens)
+    stream = ChatStream(model, request(model))
+    costs: list[float] = []
+    out = 0
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        event = {"choices": [{"index": 0, "token_ids": [token], "finish_reason": "stop" if last else None}]}
+        start = time.perf_counter()
+        out += len(stream.steps([event]))
+        costs.append(time.perf_counter() - start)
+    window = min(200, len(costs) // 4)
+    first = statistics.median(costs[1 : window + 1]) * 1e6  # the very first step also builds the role chunk
+    end = statistics.median(costs[-window - 1 : -1]) * 1e6
+    return {
+        "tokens": len(ids),
+        "first_us": first,
+        "last_us": end,
+        "growth": end / first,
+        "chunks_per_s": len(costs) / sum(costs),
+        "bytes_out": out,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2000)
+    args = parser.parse_args()
+    r = run(args.tokens)
+    print(f"in-process derender, qwen3+hermes, {r['tokens']:.0f}-token stream, one token per event")
+    print(f"  per chunk: first {r['first_us']:.1f} µs, last {r['last_us']:.1f} µs, last/first {r['growth']:.2f}")
+    print(f"  derender stage alone: {r['chunks_per_s']:.0f} chunks/s on one core")
+
+
+if __name__ == "__main__":
+    main()
