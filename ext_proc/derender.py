@@ -82,7 +82,7 @@ def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
     at start-up, never on a request; the sidecar mode uses it only for its corrections."""
     model = DerenderModel(config.model)
     if config.derender.mode == "sidecar":
-        return SidecarDerender(client, model.logprobs)
+        return SidecarDerender(client, model)
     return InProcessDerender(model)
 
 

@@ -303,10 +303,13 @@ class ChatStream(_Session):
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage
 
+    def reasoning_tokens(self) -> int:
+        """What native usage reports as `completion_tokens_details.reasoning_tokens` so far."""
+        return sum(self._reasoning_tokens(c) for c in self._choices.values())
+
     def _usage_chunk(self) -> dict[str, Any]:
         completion = sum(c.num_tokens for c in self._choices.values())
-        reasoning = sum(self._reasoning_tokens(c) for c in self._choices.values())
-        usage = {k: v for k, v in self._usage(completion, reasoning).items() if v is not None}
+        usage = {k: v for k, v in self._usage(completion, self.reasoning_tokens()).items() if v is not None}
         return self._chunk([], usage=usage)
 
 

@@ -9,13 +9,15 @@ and a parser-enabled stream gets its logprobs back.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import orjson
 
 from ext_proc.config import RenderConfig
-from ext_proc.derender_logprobs import LogprobDecoder, chat_logprobs, trim_completion_candidates
+from ext_proc.derender_in_process import ChatStream, DerenderModel, derender_whole
+from ext_proc.derender_logprobs import chat_logprobs, trim_completion_candidates
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, TokenizedRequest
 from ext_proc.streaming import sse_event
@@ -79,12 +81,12 @@ def _static_fields(client: DerenderClient, request: TokenizedRequest) -> bytes:
 class SidecarDerender:
     """The sidecar as a derender backend (see `ext_proc.derender.Derenderer`)."""
 
-    def __init__(self, client: DerenderClient, logprobs: LogprobDecoder | None) -> None:
+    def __init__(self, client: DerenderClient, model: DerenderModel) -> None:
         self._client = client
-        self._logprobs = logprobs  # the gateway's tokenizer, for the corrections
+        self._model = model  # the gateway's tokenizer and parser class, for the corrections
 
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> SidecarStream:
-        return SidecarStream(self._client, request, prompt_index, self._logprobs)
+        return SidecarStream(self._client, request, prompt_index, self._model)
 
     async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
@@ -93,7 +95,7 @@ class SidecarDerender:
         generate = orjson.loads(generate_body)
         if top is not None:
             trim_completion_candidates(generate, top)
-        dropped = _drop_stop_token(generate)
+        dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
         if top is not None or dropped:
             generate_body = orjson.dumps(generate)
         if request.api is ApiKind.CHAT:
@@ -122,10 +124,16 @@ class SidecarDerender:
                 result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
         if request.api is ApiKind.CHAT:
             _tool_calls_finish_reason(result, request.request.body)
+            if self._model.include_reasoning_details and isinstance(result.get("usage"), dict):
+                native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, generate))
+                result["usage"]["completion_tokens_details"] = native["usage"]["completion_tokens_details"]
+        for choice, stop in zip(result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False):
+            if stop is not None:
+                _cut_fields(choice.get("message") or choice, stop, final=True)
         return orjson.dumps(result)
 
 
-def _drop_stop_token(generate: dict[str, Any]) -> bool:
+def _drop_stop_token(generate: dict[str, Any], keep_one: bool = False) -> bool:
     """Native serving never detokenizes the EOS or stop-token id that ended generation (the
     engine's detokenizer skips it); vLLM 0.32's derender does, and with a parser configured
     (special tokens kept) `<|im_end|>` would reach the client. Removes it in place."""
@@ -133,10 +141,75 @@ def _drop_stop_token(generate: dict[str, Any]) -> bool:
     for choice in generate.get("choices") or []:
         ids = choice.get("token_ids") or []
         stop_reason = choice.get("stop_reason")
-        if choice.get("finish_reason") == "stop" and not isinstance(stop_reason, str) and len(ids) > 1:
+        if choice.get("finish_reason") == "stop" and not isinstance(stop_reason, str) and len(ids) > keep_one:
             choice["token_ids"] = ids[:-1]
             dropped = True
     return dropped
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if body.get("include_stop_str_in_output") or not stop:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str) and s]
+
+
+def _stop_cuts(request: TokenizedRequest, n: int) -> list[_StopCut | None]:
+    stops = _stop_strings(request.request.body)
+    return [_StopCut(stops) if stops else None for _ in range(n)]
+
+
+_TEXT_FIELDS = ("reasoning", "content", "text")
+
+
+def _cut_fields(holder: dict[str, Any], stop: _StopCut, final: bool) -> None:
+    """Applies `stop` to a delta/message/completion choice's text fields, in text order."""
+    pieces = [(f, holder[f]) for f in _TEXT_FIELDS if isinstance(holder.get(f), str) and holder[f]]
+    kept: dict[str, str] = {}
+    for field, text in stop.feed(pieces, final):
+        kept[field] = kept.get(field, "") + text
+    for field in _TEXT_FIELDS:
+        if isinstance(holder.get(field), str):
+            holder[field] = kept.get(field, "" if field == "text" else None)
+
+
+class _StopCut:
+    """Stop strings as the engine's detokenizer applies them, on text the sidecar already
+    derendered: text that could begin a stop string is held back, and the text from a stop
+    string on is never sent. vLLM 0.32's derender does neither."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._hold = max(len(s) for s in stops) - 1
+        self._pending: list[tuple[str, str]] = []  # (field, text) not sent yet
+        self._stopped = False
+
+    def feed(self, pieces: list[tuple[str, str]], final: bool) -> list[tuple[str, str]]:
+        if self._stopped:
+            return []
+        self._pending += pieces
+        text = "".join(t for _, t in self._pending)
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if found:
+            self._stopped = True
+            return self._take(min(found), drop_rest=True)
+        return self._take(len(text) if final else max(len(text) - self._hold, 0))
+
+    def _take(self, n: int, drop_rest: bool = False) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        while self._pending and n > 0:
+            field, text = self._pending.pop(0)
+            if len(text) > n:
+                self._pending.insert(0, (field, text[n:]))
+                text = text[:n]
+            if out and out[-1][0] == field:
+                out[-1] = (field, out[-1][1] + text)
+            else:
+                out.append((field, text))
+            n -= len(text)
+        if drop_rest:
+            self._pending = []
+        return out
 
 
 def _without_nulls(value: Any) -> Any:
@@ -167,9 +240,7 @@ class SidecarStream:
     """One prompt's events through the sidecar, one `stream_state` per choice. A state
     advances only after derender succeeded for its event."""
 
-    def __init__(
-        self, client: DerenderClient, request: TokenizedRequest, prompt_index: int, logprobs: LogprobDecoder | None
-    ) -> None:
+    def __init__(self, client: DerenderClient, request: TokenizedRequest, prompt_index: int, model: DerenderModel) -> None:
         self._client = client
         self._request = request
         prompt = request.prompts[prompt_index]
@@ -180,9 +251,17 @@ class SidecarStream:
         self._prompt_ids = b',"prompt_token_ids":' + orjson.dumps(prompt.token_ids)
         # vLLM 0.32's parser path drops stream logprobs; the gateway resolves them itself.
         body = request.request.body
+        self._model = model
         self._fix_logprobs = (
-            logprobs if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs") else None
+            model.logprobs if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs") else None
         )
+        # usage's reasoning_tokens: counted by replaying the events through a parser once, at the end
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        count = request.api is ApiKind.CHAT and include_usage and model.include_reasoning_details
+        self._events: list[dict[str, Any]] | None = [] if count else None
+        self._stops: dict[int, _StopCut] = {}
+        self._text_offsets: dict[int, int] = {}
+        self._stop_strings = _stop_strings(body)
         self._top_logprobs = body.get("top_logprobs")
         self._completion_top = _completion_logprobs(request)
         self._logprob_context: dict[int, list[int]] = {}
@@ -191,6 +270,8 @@ class SidecarStream:
         """One sidecar call per run of waiting events of one choice (fewer calls under
         backpressure; the sidecar replays chunk by chunk with the merged sizes)."""
         out = bytearray()
+        if self._events is not None:
+            self._events.extend(orjson.loads(orjson.dumps(e)) for e, _ in events if e.get("choices"))
         for event, payload in _coalesce(events):
             if self._completion_top is not None:
                 trim_completion_candidates(event, self._completion_top)
@@ -211,10 +292,47 @@ class SidecarStream:
             self._states[index] = result.get("stream_state")
             if self._fix_logprobs is not None:
                 self._add_logprobs(chunk, choices[0])
+            if self._stop_strings:
+                self._cut_stop_strings(chunk, index, choices[0].get("finish_reason") is not None)
+            if self._completion_top is not None:
+                self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
         if not choices:  # the usage chunk: native serializes it without nulls
             chunk = _without_nulls(chunk)
+            if self._events is not None and isinstance(chunk.get("usage"), dict):
+                chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": await self._reasoning_tokens()}
         return sse_event(orjson.dumps(chunk))
+
+    async def _reasoning_tokens(self) -> int:
+        assert self._events is not None
+        events, self._events = self._events, None
+
+        def count() -> int:
+            replay = ChatStream(self._model, self._request)
+            replay.steps(events)
+            return replay.reasoning_tokens()
+
+        return await asyncio.to_thread(count)
+
+    def _fix_text_offsets(self, chunk: dict[str, Any], index: int) -> None:
+        """Native streams advance `text_offset` by the tokens reported, not by the text sent
+        (text held back for stop strings lags the tokens); vLLM 0.32's derender by the text."""
+        for choice in chunk.get("choices") or []:
+            logprobs = choice.get("logprobs") or {}
+            tokens = logprobs.get("tokens") or []
+            offset = self._text_offsets.get(index, 0)
+            offsets = []
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            if tokens:
+                logprobs["text_offset"] = offsets
+                self._text_offsets[index] = offset
+
+    def _cut_stop_strings(self, chunk: dict[str, Any], index: int, final: bool) -> None:
+        stop = self._stops.setdefault(index, _StopCut(self._stop_strings))
+        for choice in chunk.get("choices") or []:
+            _cut_fields(choice.get("delta") or choice, stop, final)
 
     def _add_logprobs(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
         assert self._fix_logprobs is not None

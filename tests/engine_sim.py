@@ -71,6 +71,10 @@ class EngineSim:
     ttft_s: float = 0.0
     token_delay_s: float = 0.0
     tokens: list[int] | None = None  # scripted output for every request (default: from the prompt)
+    # how scripted output ends: "stop" with stop_reason None is an EOS/stop-token end (the
+    # last scripted id is that token), a string stop_reason a stop-string end
+    finish_reason: str = "length"
+    stop_reason: int | str | None = None
     fault: Fault | None = None
     received: list[Received] = field(default_factory=list)
 
@@ -120,6 +124,9 @@ class EngineSim:
             request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
         )
         tokens = (self.tokens or self.script(body["token_ids"], max_tokens))[:max_tokens]
+        finish = self.finish_reason if self.tokens and len(self.tokens) <= max_tokens else "length"
+        stop_reason = self.stop_reason if finish == "stop" else None
+        top_k = params.get("logprobs")
         usage = {
             "prompt_tokens": len(body["token_ids"]),
             "total_tokens": len(body["token_ids"]) + len(tokens),
@@ -127,7 +134,7 @@ class EngineSim:
         }
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self._stream(request_id, tokens, usage, include_usage, fault)
+            events = self._stream(request_id, tokens, usage, include_usage, fault, (finish, stop_reason, top_k))
             return StreamingResponse(events, media_type="text/event-stream")
         if self.ttft_s or self.token_delay_s:
             await asyncio.sleep(self.ttft_s + self.token_delay_s * len(tokens))
@@ -148,21 +155,28 @@ class EngineSim:
                 "choices": [
                     {
                         "index": 0,
-                        "finish_reason": "length",
-                        "stop_reason": None,
+                        "finish_reason": finish,
+                        "stop_reason": stop_reason,
                         "token_ids": tokens,
                         "routed_experts": None,
                         "sampling_mask": None,
                         "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}],
-                        "logprobs": None,
+                        "logprobs": _logprobs(tokens, top_k),
                     }
                 ],
             }
         )
 
     async def _stream(
-        self, request_id: str, tokens: list[int], usage: dict[str, int], include_usage: bool, fault: Fault | None
+        self,
+        request_id: str,
+        tokens: list[int],
+        usage: dict[str, int],
+        include_usage: bool,
+        fault: Fault | None,
+        end: tuple[str, int | str | None, int | None] = ("length", None, None),
     ) -> AsyncIterator[bytes]:
+        finish, stop_reason, top_k = end
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
         for i, token in enumerate(tokens):
@@ -189,13 +203,13 @@ class EngineSim:
             last = i == len(tokens) - 1
             choice = {
                 "index": 0,
-                "finish_reason": "length" if last else None,
-                "stop_reason": None,
+                "finish_reason": finish if last else None,
+                "stop_reason": stop_reason if last else None,
                 "token_ids": [token],
                 "routed_experts": None,
                 "sampling_mask": None,
                 "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
-                "logprobs": None,
+                "logprobs": _logprobs([token], top_k),
             }
             yield _sse({"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": [choice]})
         if include_usage:
@@ -261,7 +275,7 @@ class EngineSim:
                 [{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received]
             )
         update = await request.json()
-        for key in ("ttft_s", "token_delay_s", "tokens"):
+        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason"):
             if key in update:
                 setattr(self, key, update[key])
         if "fault" in update:
@@ -282,6 +296,24 @@ class EngineSim:
 
     def generate_requests(self) -> list[Received]:
         return [r for r in self.received if r.path == "/inference/v1/generate"]
+
+
+def _logprobs(tokens: list[int], top_k: int | None) -> dict[str, Any] | None:
+    """Generate's `GenerateLogProbs` (0.32): per token the sampled entry, then a list cut to
+    max(k, 1) entries in all, sampled first; deterministic values derived from the ids."""
+    if top_k is None:
+        return None
+    content = []
+    for i, token in enumerate(tokens):
+        rank = 1 + (token + i) % 3  # sometimes the sampled token is the top candidate
+        sampled = {"token_id": token, "logprob": -0.25 * rank, "rank": rank}
+        others = [FIRST_ID + (token * 7 + r) % (VOCAB - FIRST_ID) for r in range(1, top_k + 2)]
+        ranked = [{"token_id": t, "logprob": -0.25 * r, "rank": r} for r, t in enumerate(others, 1) if r != rank]
+        if rank <= top_k + 1:
+            ranked.insert(rank - 1, sampled)
+        tops = [sampled] + [t for t in ranked if t["token_id"] != token]
+        content.append({**sampled, "top_logprobs": tops[: max(top_k, 1)]})
+    return {"content": content}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

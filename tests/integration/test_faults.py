@@ -274,7 +274,8 @@ DERENDER_FAULTS = [
 def test_derender_failures_map_to_response_errors_without_reinference(
     bench: FaultBench, fault: RenderFault, status: int, code: str, stream: bool
 ) -> None:
-    gateway = bench.start(render_config={"timeout_ms": 800})
+    # the sidecar's /derender is what fails here (in-process derender makes no call)
+    gateway = bench.start(render_config={"timeout_ms": 800}, derender={"mode": "sidecar"})
     bench.proxy.faults.append(RenderFault(fault.target, fault.kind, fault.status, fault.body, stream=stream))
     response = bench.post(STREAM if stream else CHAT)
     if stream:

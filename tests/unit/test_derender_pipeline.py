@@ -136,3 +136,21 @@ async def test_events_waiting_together_are_one_step_per_choice() -> None:
     steps = [[(c["index"], c["token_ids"], c.get("finish_reason")) for c in r["generate_chunk"]["choices"]] for r in fake.requests]
     assert steps == [[(0, [5, 6], None)], [(1, [7], None)], [(0, [8, 9], "length")], [(0, [10], None)]]
     assert len(_events(out)) == 4
+
+
+def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
+    from ext_proc.derender_sidecar import _StopCut
+
+    stop = _StopCut(["END!", "xyz"])
+    assert stop.feed([("reasoning", "think "), ("content", "ab")], final=False) == [("reasoning", "think")]
+    assert stop.feed([("content", "cE")], final=False) == [("reasoning", " "), ("content", "a")]  # "bcE" may begin "END!"
+    assert stop.feed([("content", "ND! more")], final=False) == [("content", "bc")]
+    assert stop.feed([("content", "late")], final=True) == []  # nothing after a stop string
+
+
+def test_sidecar_text_held_back_is_flushed_at_the_finish() -> None:
+    from ext_proc.derender_sidecar import _StopCut
+
+    stop = _StopCut(["END!"])
+    assert stop.feed([("text", "hello E")], final=False) == [("text", "hell")]
+    assert stop.feed([("text", "N")], final=True) == [("text", "o EN")]  # no stop string came

