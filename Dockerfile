@@ -7,8 +7,11 @@ COPY scheduler scheduler
 COPY render_sidecar render_sidecar
 COPY protos protos
 COPY envoy envoy
-# Editable: the Envoy template and the generated stubs stay next to the code.
-RUN pip install --no-cache-dir -e . && python -m protos.build
+# Editable: the Envoy template and the generated stubs stay next to the code. The engine
+# extra brings vLLM (CPU build: the processor only needs its tokenizer, detokenizer and
+# parsers for in-process derender, at the render sidecar's version).
+RUN pip install --no-cache-dir -e '.[engine]' && (pip uninstall -y torchvision torchaudio torchcodec || true)
+RUN python -m protos.build
 ENV HF_HUB_OFFLINE=1
 ENTRYPOINT ["tito"]
 CMD ["processor"]

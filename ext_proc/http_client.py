@@ -53,6 +53,6 @@ class CountingTransport(httpx.AsyncBaseTransport):
 
 def http_client(config: TitoConfig) -> tuple[httpx.AsyncClient, CountingTransport]:
     n = config.processor.http_max_connections
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=4)  # uvicorn closes at 5 s
     transport = CountingTransport(httpx.AsyncHTTPTransport(limits=limits))
     return httpx.AsyncClient(transport=transport, trust_env=False), transport
