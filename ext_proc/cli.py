@@ -42,8 +42,26 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# Operator tools with flags of their own: `tito bench …` and `tito conformance …` hand the
+# rest of the command line to them.
+TOOLS = {
+    "bench": ("ext_proc.bench", "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios"),
+    "conformance": ("ext_proc.conformance", "gateway vs native OpenAI answers, field by field, one line per case"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tito", description="token-in/token-out gateway for LLM serving")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        tool: int = importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
+        return tool
+    parser = argparse.ArgumentParser(
+        prog="tito",
+        description="token-in/token-out gateway for LLM serving",
+        epilog="also: " + "; ".join(f"tito {name} --help: {text}" for name, (_, text) in TOOLS.items()),
+    )
     parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -218,3 +218,40 @@ def sim_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -
     gateway.gateway.stop()
     for server in servers:
         server.stop()
+
+
+@dataclass
+class RealGateway:
+    """A second gateway (Envoy + processor) over the stack's real engine and render sidecar."""
+
+    config: TitoConfig
+    gateway: LocalStack
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.listener.port}"
+
+
+def start_real_gateway(stack: RunningStack, work: Path, **sections: Any) -> RealGateway:
+    """Only the gateway processes start (about a second): the engine and the render sidecar
+    are the stack's, so answers can be compared with the stack's own gateway and engine."""
+    # The model section (path, parsers, context) must match the render sidecar's and the engine's.
+    sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
+    engines = list(stack.config.pools[0].instances)
+    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path, **sections)
+    gateway = LocalStack(config, work)
+    try:
+        gateway.start_gateway()
+        gateway.wait_ready()
+    except BaseException:
+        gateway.stop()
+        raise
+    return RealGateway(config, gateway)
+
+
+@pytest.fixture(scope="session")
+def sidecar_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealGateway]:
+    """The stack's engine behind a gateway that derenders through the render sidecar."""
+    gateway = start_real_gateway(stack, tmp_path_factory.mktemp("sidecargw"), derender={"mode": "sidecar"})
+    yield gateway
+    gateway.gateway.stop()

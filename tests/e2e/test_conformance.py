@@ -1,0 +1,119 @@
+"""The product promise, case by case: for the same engine, seed and request, the gateway's
+OpenAI answer equals the engine's native one (ext_proc/conformance.py), for each derender
+mode. The first tests check the checker itself on made-up answers, so a difference in the
+real runs cannot go unnoticed because the comparison is blind to it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from ext_proc.conformance import (
+    CASES,
+    SPECS,
+    Answer,
+    Case,
+    differences,
+    new_client,
+    normalize_full,
+    normalize_stream,
+    run_case,
+)
+from tests.conftest import RunningStack
+
+MODES = ("in_process", "sidecar")
+
+
+def _sse(*events: Any) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def _chunk(delta: dict[str, Any], chunk_id: str = "chatcmpl-1", **choice: Any) -> dict[str, Any]:
+    return {
+        "id": chunk_id,
+        "object": "chat.completion.chunk",
+        "model": "tiny",
+        "choices": [{"index": 0, "delta": delta, **choice}],
+    }
+
+
+def test_case_names_are_unique_and_every_spec_runs_both_ways() -> None:
+    names = [case.name for case in CASES]
+    assert len(names) == len(set(names)) == 2 * len(SPECS)
+
+
+def test_stream_framing_violations_are_reported() -> None:
+    raw = _sse(_chunk({"content": "a"}), _chunk({"content": "b"}, chunk_id="chatcmpl-2"), "[DONE]", "[DONE]")
+    problems = normalize_stream("chat", raw).problems
+    assert any("2 `data: [DONE]`" in p for p in problems)
+    assert any("different chunk ids" in p for p in problems)
+    wrong_object = _sse({**_chunk({"content": "a"}), "object": "chat.completion"}, "[DONE]")
+    assert any("chunk object" in p for p in normalize_stream("chat", wrong_object).problems)
+    assert any("[DONE]" in p for p in normalize_stream("chat", _sse(_chunk({"content": "a"}))).problems)
+
+
+def test_stream_deltas_are_concatenated_and_tool_call_ids_only_need_to_be_stable() -> None:
+    call = {"index": 0, "id": "call-a", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}
+    more = {"index": 0, "function": {"arguments": 'ty": "東京 🗼"}'}}
+    raw = _sse(
+        _chunk({"role": "assistant", "reasoning": "hm"}),
+        _chunk({"tool_calls": [call]}),
+        _chunk({"tool_calls": [more]}, finish_reason="tool_calls"),
+        "[DONE]",
+    )
+    choice = normalize_stream("chat", raw).choices[0]
+    assert choice["reasoning"] == "hm" and choice["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert choice["tool_calls"] == [
+        {"type": "function", "name": "get_weather", "arguments": {"city": "東京 🗼"}, "id": "present"}
+    ]
+    renamed = _sse(_chunk({"tool_calls": [call]}), _chunk({"tool_calls": [{**more, "id": "call-b"}]}), "[DONE]")
+    assert normalize_stream("chat", renamed).choices[0]["tool_calls"][0]["id"] == "unstable (2 ids)"
+
+
+def test_differences_name_the_field_and_ignore_ids_and_timestamps() -> None:
+    def answer(finish: str, call_id: str, created: int) -> Answer:
+        call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        body = {
+            "id": f"chatcmpl-{created}",
+            "created": created,
+            "object": "chat.completion",
+            "model": "tiny",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }
+        return normalize_full("chat", body)
+
+    native = answer("tool_calls", "chatcmpl-tool-1", 1)
+    assert differences(answer("tool_calls", "x", 2).normalized, native.normalized) == []
+    assert differences(answer("stop", "x", 2).normalized, native.normalized) == [
+        'choices.0.finish_reason: gateway "stop" vs native "tool_calls"'
+    ]
+
+
+@pytest.fixture(scope="module")
+def conformance_client() -> Iterator[httpx.Client]:
+    with new_client() as client:
+        yield client
+
+
+def _gateway_url(mode: str, request: pytest.FixtureRequest) -> str:
+    """in_process is `tito up`'s own gateway (the default mode); sidecar a second gateway."""
+    if mode == "in_process":
+        stack: RunningStack = request.getfixturevalue("stack")
+        return stack.base_url
+    return str(request.getfixturevalue("sidecar_gateway").base_url)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_gateway_answer_equals_native_vllm(
+    case: Case, mode: str, stack: RunningStack, request: pytest.FixtureRequest, conformance_client: httpx.Client
+) -> None:
+    gateway_url = _gateway_url(mode, request)
+    result = run_case(case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client)
+    assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
