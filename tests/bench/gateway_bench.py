@@ -1,0 +1,151 @@
+"""Gateway vs native vLLM on one machine: a real local stack (`tito up`), then `tito bench`.
+
+Starts render sidecar + CPU vLLM engine + processor + Envoy on free ports (logs under
+--work-dir), and for each --max-tokens value runs the same streaming workload against the Envoy
+listener and the engine's own OpenAI endpoint, interleaved (ext_proc/bench.py). The engine is
+both the gateway's upstream and the native reference, so the difference is what the gateway
+adds: render, scheduling, the ext_proc round trips and derender.
+
+Run: `python -m tests.bench.gateway_bench [--parsers/--no-parsers] [--derender in_process|sidecar]
+[--max-tokens 256 1024] [--concurrency 8] [--tools]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ext_proc.bench import BenchOptions, BenchReport, format_report, run_bench
+from ext_proc.config import TitoConfig
+from ext_proc.local_stack import LocalStack
+from ext_proc.tiny_model import ensure_tiny_model
+
+PARSERS: dict[str, Any] = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def machine_summary() -> str:
+    cores = len(os.sched_getaffinity(0))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"machine: {cores} cores (nproc), {cpu_model()}, load average {load}"
+
+
+def stack_config(
+    work_dir: Path, model_path: Path, parsers: bool, derender: str, max_model_len: int = 2048
+) -> TitoConfig:
+    """`tito up`'s config on free ports (so it runs next to other stacks)."""
+    model: dict[str, Any] = {"path": str(model_path), "max_model_len": max_model_len}
+    if parsers:
+        model |= PARSERS
+    return TitoConfig.model_validate(
+        {
+            "listener": {"port": free_port(), "admin_port": free_port()},
+            "processor": {"port": free_port(), "admin_port": free_port()},
+            "render_config": {"endpoint": {"port": free_port()}},
+            "derender": {"mode": derender},
+            "model": model,
+            "pools": [{"instances": [{"port": free_port()}]}],
+            "local": {"cache_dir": str(work_dir)},
+        }
+    )
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--parsers", action=argparse.BooleanOptionalAction, default=True, help="qwen3 + hermes")
+    parser.add_argument("--derender", choices=["in_process", "sidecar"], default="in_process")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, help="per side and max_tokens value (default: 2 * concurrency)")
+    parser.add_argument("--api", choices=["chat", "completions"], default="chat")
+    parser.add_argument("--tools", action="store_true", help="tools + reasoning workload (needs --parsers)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="ROUNDS", help="unmeasured rounds per side")
+    parser.add_argument("--cache-dir", default="~/.cache/tito", help="where the tiny model is (generated if missing)")
+    parser.add_argument("--work-dir", help="config and logs of the stack (default: a new temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tools and (args.api != "chat" or not args.parsers):
+        parser.error("--tools needs --api chat and --parsers")
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tito-gateway-bench-"))
+    model_path = ensure_tiny_model(Path(args.cache_dir).expanduser())
+    longest = max(args.max_tokens)
+    config = stack_config(work_dir, model_path, args.parsers, args.derender, max(2048, longest + 512))
+    stack = LocalStack(config, work_dir)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the stack on a plain kill too
+    reports: list[BenchReport] = []
+    print(f"starting the stack (logs in {work_dir / 'logs'}) ...", file=sys.stderr, flush=True)
+    try:
+        stack.start()
+        native = config.pools[0].instances[0].url
+        for max_tokens in args.max_tokens:
+            options = BenchOptions(
+                gateway=stack.base_url,
+                native=native,
+                model=config.model.served_name,
+                concurrency=args.concurrency,
+                max_tokens=max_tokens,
+                api=args.api,
+                requests=args.requests or 2 * args.concurrency,
+                tools=args.tools,
+                warmup_rounds=args.warmup,
+            )
+            report = asyncio.run(run_bench(options))
+            reports.append(report)
+            if not args.json:
+                print(format_report(report) + "\n", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stack.stop()
+    parsers = "qwen3 + hermes parsers" if args.parsers else "no parsers"
+    if args.json:
+        summary = {"derender": args.derender, "parsers": args.parsers, "machine": machine_summary()}
+        print(json.dumps({**summary, "reports": [r.to_json() for r in reports]}, indent=2))
+    else:
+        print(f"summary: derender {args.derender}, {parsers}, {args.concurrency} concurrent streams")
+        for r in reports:
+            g, n = r.sides["gateway"], r.sides["native"]
+            print(
+                f"  max_tokens {r.options.max_tokens:>5}: E2E p50 {g.e2e_p50_ms:.0f} vs {n.e2e_p50_ms:.0f} ms "
+                f"(x{r.e2e_p50_ratio:.2f}), TTFT p50 {r.ttft_p50_diff_ms:+.1f} ms, "
+                f"gap mean x{r.gap_mean_ratio:.2f}, errors {r.errors}"
+            )
+        print(machine_summary())
+    return 1 if any(r.errors for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
