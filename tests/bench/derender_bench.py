@@ -30,13 +30,16 @@ TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 
 
 def answer_ids(model: DerenderModel, n_tokens: int) -> list[int]:
     """Token ids of `<think>…</think>` + content + a tool call, about `n_tokens` long."""
-    encode = model.tokenizer.encode
-    reasoning, content, tail = encode("<think>\n"), [], encode("\n</think>\n\n")
-    while len(reasoning) + len(content) < n_tokens - 40:
-        reasoning += encode(SENTENCE)
-        content += encode(SENTENCE)
-    ids = reasoning[: n_tokens // 2] + tail + content[: n_tokens // 2] + encode(TOOL_CALL)
-    return [int(t) for t in ids[:n_tokens]]
+    def encode(text: str) -> list[int]:
+        return [int(t) for t in model.tokenizer.encode(text)]
+
+    tail, call = encode("\n</think>\n\n"), encode(TOOL_CALL)
+    sentence = encode(SENTENCE)
+    body = sentence * (n_tokens // len(sentence) + 1)
+    half = (n_tokens - len(tail) - len(call)) // 2
+    reasoning = (encode("<think>\n") + body)[:half]
+    content = body[: n_tokens - len(tail) - len(call) - half]
+    return reasoning + tail + content + call
 
 
 def request(model: DerenderModel) -> TokenizedRequest:
@@ -61,12 +64,12 @@ def run(n_tokens: int) -> dict[str, float]:
     ids = answer_ids(model, n_tokens)
     stream = ChatStream(model, request(model))
     costs: list[float] = []
-    out = 0
+    out = bytearray()
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
         event = {"choices": [{"index": 0, "token_ids": [token], "finish_reason": "stop" if last else None}]}
         start = time.perf_counter()
-        out += len(stream.steps([event]))
+        out += stream.steps([event])
         costs.append(time.perf_counter() - start)
     window = min(200, len(costs) // 4)
     first = statistics.median(costs[1 : window + 1]) * 1e6  # the very first step also builds the role chunk
@@ -77,7 +80,9 @@ def run(n_tokens: int) -> dict[str, float]:
         "last_us": end,
         "growth": end / first,
         "chunks_per_s": len(costs) / sum(costs),
-        "bytes_out": out,
+        "reasoning_chunks": out.count(b'"reasoning"'),
+        "content_chunks": out.count(b'"content":"'),
+        "tool_call_parsed": float(b'"name":"get_weather"' in out),
     }
 
 
@@ -89,6 +94,10 @@ def main() -> None:
     print(f"in-process derender, qwen3+hermes, {r['tokens']:.0f}-token stream, one token per event")
     print(f"  per chunk: first {r['first_us']:.1f} µs, last {r['last_us']:.1f} µs, last/first {r['growth']:.2f}")
     print(f"  derender stage alone: {r['chunks_per_s']:.0f} chunks/s on one core")
+    print(
+        f"  parsed: {r['reasoning_chunks']:.0f} reasoning chunks, {r['content_chunks']:.0f} content chunks, "
+        f"tool call {'found' if r['tool_call_parsed'] else 'MISSING'}"
+    )
 
 
 if __name__ == "__main__":
