@@ -192,6 +192,24 @@ class SimGateway:
             time.sleep(0.05)
 
 
+def start_gateway(
+    stack: RunningStack, work: Path, engines: list[Endpoint], render_port: int | None = None, **sections: Any
+) -> tuple[TitoConfig, LocalStack]:
+    """Envoy + processor only (the engines and render are already running): the stack's model
+    section (path, parsers, context), which must match the render sidecar's and the engines'."""
+    render_port = render_port or stack.config.render_config.endpoint.port
+    sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
+    config = gateway_config(work, render_port, engines, stack.model_path, **sections)
+    gateway = LocalStack(config, work)
+    try:
+        gateway.start_gateway()
+        gateway.wait_ready()
+    except BaseException:
+        gateway.stop()
+        raise
+    return config, gateway
+
+
 def start_sim_gateway(
     stack: RunningStack, work: Path, n_engines: int, render_port: int | None = None, **sections: Any
 ) -> tuple[SimGateway, list[SimServer]]:
@@ -199,13 +217,7 @@ def start_sim_gateway(
     `render_port` points elsewhere (a fault proxy in front of it, or nothing at all)."""
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [Endpoint(port=s.sim.port) for s in servers]
-    render_port = render_port or stack.config.render_config.endpoint.port
-    # The model section (path, parsers, context) must match the render sidecar's.
-    sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
-    config = gateway_config(work, render_port, engines, stack.model_path, **sections)
-    gateway = LocalStack(config, work)
-    gateway.start_gateway()
-    gateway.wait_ready()
+    config, gateway = start_gateway(stack, work, engines, render_port, **sections)
     return SimGateway(config, gateway, [s.sim for s in servers]), servers
 
 
@@ -233,20 +245,9 @@ class RealGateway:
 
 
 def start_real_gateway(stack: RunningStack, work: Path, **sections: Any) -> RealGateway:
-    """Only the gateway processes start (about a second): the engine and the render sidecar
-    are the stack's, so answers can be compared with the stack's own gateway and engine."""
-    # The model section (path, parsers, context) must match the render sidecar's and the engine's.
-    sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
-    engines = list(stack.config.pools[0].instances)
-    config = gateway_config(work, stack.config.render_config.endpoint.port, engines, stack.model_path, **sections)
-    gateway = LocalStack(config, work)
-    try:
-        gateway.start_gateway()
-        gateway.wait_ready()
-    except BaseException:
-        gateway.stop()
-        raise
-    return RealGateway(config, gateway)
+    """Only the gateway processes start: the engine and the render sidecar are the stack's,
+    so answers can be compared with the stack's own gateway and engine."""
+    return RealGateway(*start_gateway(stack, work, list(stack.config.pools[0].instances), **sections))
 
 
 @pytest.fixture(scope="session")
