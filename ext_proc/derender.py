@@ -2,12 +2,12 @@
 
 `StreamDerender` takes the raw SSE bytes of one prompt's generate stream, however they
 arrive (Envoy body chunks, or an engine stream the processor owns), frames them, parses each
-event once, coalesces what is already waiting for the same choice into one step (as native
-serving does under backpressure), and hands each step to the backend's per-stream session:
-`in_process` (live detokenizer and parser state, `derender_in_process.py`) or `sidecar` (the
-render sidecar's /derender, `derender_sidecar.py`). Exactly one `[DONE]` ends the output, also
-after an in-band engine error or a derender failure (as an OpenAI error event). Derender
-failures never re-run inference.
+event once, and hands the events that arrived together to the backend's per-stream session:
+`in_process` (live detokenizer and parser state, `derender_in_process.py`: every event is one
+parser step, and plain-text chunks waiting together leave as one chunk) or `sidecar` (the
+render sidecar's /derender, `derender_sidecar.py`: one call per run of one choice's events).
+Exactly one `[DONE]` ends the output, also after an in-band engine error or a derender
+failure (as an OpenAI error event). Derender failures never re-run inference.
 """
 
 from __future__ import annotations

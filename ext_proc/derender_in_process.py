@@ -108,7 +108,7 @@ class _Choice:
 
 @dataclass(frozen=True)
 class _Step:
-    """One choice's new output: one engine event, or several coalesced."""
+    """One choice's new output in one engine event: one parser step, as natively."""
 
     index: int
     token_ids: list[int]
@@ -132,6 +132,8 @@ def _steps(event: dict[str, Any]) -> list[_Step]:
 
 class _Session:
     """Shared by the chat and completions sessions: the request, its choices, usage."""
+
+    _object = ""  # the chunks' `object`
 
     def __init__(self, model: DerenderModel, request: TokenizedRequest, prompt_index: int, client: Any) -> None:
         self._model = model
@@ -185,8 +187,6 @@ class _Session:
 
     def _event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         raise NotImplementedError
-
-    _object = ""
 
     @property
     def _prompt_tokens(self) -> int:
