@@ -24,6 +24,7 @@ from ext_proc.derender_sidecar import DerenderClient, SidecarDerender
 from ext_proc.errors import GatewayError, error_payload
 from ext_proc.protocol import TokenizedRequest
 from ext_proc.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
+from ext_proc.token_only import generate_response
 
 log = logging.getLogger("tito.derender")
 
@@ -54,7 +55,7 @@ class InProcessDerender:
         return _InProcessStream(self.model, request, prompt_index)
 
     async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
-        generate = _loads(generate_body)
+        generate = generate_response(generate_body)
         try:
             return await asyncio.to_thread(derender_whole, self.model, request, generate)
         except Exception as exc:
@@ -84,16 +85,6 @@ def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
     if config.derender.mode == "sidecar":
         return SidecarDerender(client, model)
     return InProcessDerender(model)
-
-
-def _loads(body: bytes) -> dict[str, Any]:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(502, "engine returned invalid JSON", code="engine_invalid_response") from exc
-    if not isinstance(parsed, dict):
-        raise GatewayError(502, "engine returned no JSON object", code="engine_invalid_response")
-    return parsed
 
 
 class StreamDerender:

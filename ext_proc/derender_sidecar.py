@@ -21,6 +21,7 @@ from ext_proc.derender_logprobs import chat_logprobs, trim_completion_candidates
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, TokenizedRequest
 from ext_proc.streaming import sse_event
+from ext_proc.token_only import generate_response
 
 
 class DerenderClient:
@@ -92,7 +93,8 @@ class SidecarDerender:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
         prompt = request.prompts[0]
         top = _completion_logprobs(request)
-        generate = orjson.loads(generate_body)
+        original = generate_response(generate_body)
+        generate = orjson.loads(generate_body)  # a copy to correct what 0.32's derender is shown
         if top is not None:
             trim_completion_candidates(generate, top)
         dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
@@ -125,7 +127,7 @@ class SidecarDerender:
         if request.api is ApiKind.CHAT:
             _tool_calls_finish_reason(result, request.request.body)
             if self._model.include_reasoning_details and isinstance(result.get("usage"), dict):
-                native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, generate))
+                native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, original))
                 result["usage"]["completion_tokens_details"] = native["usage"]["completion_tokens_details"]
         for choice, stop in zip(result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False):
             if stop is not None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
+from ext_proc.errors import GatewayError
 from ext_proc.protocol import DEFAULT_MAX_TOKENS, ApiKind, PromptTokens
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -31,3 +34,14 @@ def requested_max_tokens(prompt: PromptTokens) -> int:
     """max_tokens as render computed it. msgspec omits defaults, so a value of 16 is missing
     from render's output; generate would then re-default it to the whole remaining context."""
     return int(prompt.sampling_params.get("max_tokens", DEFAULT_MAX_TOKENS))
+
+
+def generate_response(body: bytes) -> dict[str, Any]:
+    """A whole (non-streaming) GenerateResponse from an engine, parsed once."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(502, "engine returned invalid JSON", code="engine_invalid_response") from exc
+    if not isinstance(parsed, dict):
+        raise GatewayError(502, "engine returned no JSON object", code="engine_invalid_response")
+    return parsed

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from ext_proc.conformance import Answer, Api, differences, normalize_full, normalize_stream
 from ext_proc.config import Endpoint
+from ext_proc.conformance import Answer, Api, differences, normalize_full, normalize_stream
 from ext_proc.local_stack import LocalStack
 from tests.conftest import RunningStack, start_gateway
 from tests.engine_sim import EngineSim, SimServer
