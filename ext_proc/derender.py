@@ -70,8 +70,10 @@ class _InProcessStream:
 
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         try:
-            if self._session is None:  # made on the first event, so a failure is a stream error
-                self._session = stream_session(*self._args)
+            if self._session is None:
+                # Made on the first event (a failure is a stream error), off the loop: it
+                # validates the whole client request, which may be megabytes of messages.
+                self._session = await asyncio.to_thread(stream_session, *self._args)
             return bytes(self._session.steps([event for event, _ in events]))
         except Exception as exc:
             log.exception("in-process stream derender failed")
