@@ -22,12 +22,18 @@ def state(services: Services) -> dict[str, Any]:
         "native_replays": services.native_replays,
         "tokenization": services.tokenization.snapshot(),
         "scheduler": services.scheduler.snapshot(),
+        "event_loop_lag": services.loop_lag.snapshot(),
     }
 
 
 def metrics(services: Services) -> str:
     snapshot = services.scheduler.snapshot()
+    lag = services.loop_lag.snapshot()
     lines = [
+        "# TYPE tito_event_loop_lag_p99_ms gauge",
+        f"tito_event_loop_lag_p99_ms {lag['p99_ms']}",
+        "# TYPE tito_event_loop_lag_max_ms gauge",
+        f"tito_event_loop_lag_max_ms {lag['max_ms']}",
         "# TYPE tito_active_exchanges gauge",
         f"tito_active_exchanges {services.active_exchanges}",
         "# TYPE tito_admitted_tokens gauge",

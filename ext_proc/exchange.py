@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from uuid import uuid4
 
 import httpx
@@ -41,6 +41,7 @@ from ext_proc.envoy_messages import (
 )
 from ext_proc.errors import GatewayError, normalize_error_body
 from ext_proc.http_client import CountingTransport
+from ext_proc.loop_lag import LoopLag
 from ext_proc.native import replay_native, token_only_unsupported
 from ext_proc.openai_api import is_multi_prompt, parse_request, requested_completion_tokens
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRequest
@@ -60,6 +61,7 @@ class Services:
     scheduler: Scheduler
     http: httpx.AsyncClient
     http_streams: CountingTransport
+    loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
     native_replays: int = 0
 

@@ -179,6 +179,7 @@ class Result:
     tokens: int
     cpu_s: dict[str, float]
     errors: list[str]
+    loop_lag: dict[str, Any]  # the processor's own /debug/state after the run
 
     @property
     def chunks_per_s(self) -> float:
@@ -217,6 +218,11 @@ class Result:
             f"({1e6 / engine_per_cpu:.0f} us per engine chunk; {self.tokens / max(self.chunks, 1):.1f} "
             f"engine chunks per client chunk, coalesced when they queue up); target {target:,}: "
             f"{engine_per_cpu / target:.2f}x"
+        )
+        lag = self.loop_lag
+        lines.append(
+            f"processor event loop lag (a 50 ms timer, last minute): p99 {lag.get('p99_ms')} ms, "
+            f"max {lag.get('max_ms')} ms: how long any stream may wait behind the others' work"
         )
         lines += [f"error: {e}" for e in self.errors[:5]]
         if len(self.errors) > 5:
@@ -310,7 +316,9 @@ def run(gateway: SimGatewayStack, concurrency: int, requests: int, max_tokens: i
     wall = time.perf_counter() - start
     cpu = {label: group_cpu_seconds(pid) - before[label] for label, pid in pids.items()}
     cpu["load generator"] = own_cpu_seconds() - own_before
-    return Result(derender, concurrency, requests, max_tokens, wall, load.chunks, load.tokens, cpu, load.errors)
+    admin = f"http://127.0.0.1:{gateway.stack.config.processor.admin_port}/debug/state"
+    lag: dict[str, Any] = httpx.get(admin, timeout=5, trust_env=False).json().get("event_loop_lag", {})
+    return Result(derender, concurrency, requests, max_tokens, wall, load.chunks, load.tokens, cpu, load.errors, lag)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
