@@ -186,6 +186,23 @@ class _Session:
         return b"".join(sse_event(orjson.dumps(chunk)) for chunk in chunks)
 
     def _event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._prelude()
+        for step in _steps(event):
+            chunk = self._step(step)
+            if chunk is not None:
+                out.append(chunk)
+        if event.get("usage") is not None and not event.get("choices") and self._include_usage:
+            out.append(self._usage_chunk())
+        return out
+
+    def _prelude(self) -> list[dict[str, Any]]:
+        """Chunks due before the first event's own (none, unless a subclass says so)."""
+        return []
+
+    def _step(self, step: _Step) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _usage_chunk(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @property
@@ -208,20 +225,11 @@ class ChatStream(_Session):
         for i in range(self._n):  # parsers are made when the stream starts, as natively
             self._choice(i, parser=True)
 
-    def _event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        out = []
-        if not self._started:
-            self._started = True
-            out += self._role_chunks()
-        for step in _steps(event):
-            chunk = self._step(step)
-            if chunk is not None:
-                out.append(chunk)
-        if event.get("usage") is not None and not event.get("choices") and self._include_usage:
-            out.append(self._usage_chunk())
-        return out
-
-    def _role_chunks(self) -> list[dict[str, Any]]:
+    def _prelude(self) -> list[dict[str, Any]]:
+        """Native serving's first chunks: the role, once per choice."""
+        if self._started:
+            return []
+        self._started = True
         out = []
         ids = self._prompt.token_ids if self._client.return_token_ids else None
         extra: dict[str, Any] = {"prompt_token_ids": ids, "prompt_text": None}
@@ -356,17 +364,12 @@ class CompletionStream(_Session):
         super().__init__(model, request, prompt_index, model.client_request(request))
         self._prompt_index = prompt_index
 
-    def _event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        out = []
-        for step in _steps(event):
-            chunk = self._step(step)
-            if chunk is not None:
-                out.append(chunk)
-        if event.get("usage") is not None and not event.get("choices") and self._include_usage:
-            completion = sum(c.num_tokens for c in self._choices.values())
-            total = {"prompt_tokens": self._prompt_tokens, "total_tokens": self._prompt_tokens + completion}
-            out.append(self._chunk([], usage={**total, "completion_tokens": completion}))
-        return out
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = self._prompt_tokens
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion_tokens, "completion_tokens": completion_tokens}
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        return self._chunk([], usage=self._usage(sum(c.num_tokens for c in self._choices.values())))
 
     def _step(self, step: _Step) -> dict[str, Any] | None:
         choice = self._choice(step.index, parser=False)
@@ -394,9 +397,7 @@ class CompletionStream(_Session):
             data["prompt_token_ids"] = self._prompt.token_ids
         extra: dict[str, Any] = {}
         if self._continuous_usage:
-            n = choice.num_tokens
-            extra["usage"] = {"prompt_tokens": self._prompt_tokens, "total_tokens": self._prompt_tokens + n}
-            extra["usage"]["completion_tokens"] = n
+            extra["usage"] = self._usage(choice.num_tokens)
         return self._chunk([data], **extra)
 
 

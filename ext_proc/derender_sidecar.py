@@ -93,8 +93,9 @@ class SidecarDerender:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
         prompt = request.prompts[0]
         top = _completion_logprobs(request)
-        original = generate_response(generate_body)
-        generate = orjson.loads(generate_body)  # a copy to correct what 0.32's derender is shown
+        generate = generate_response(generate_body)
+        # usage's reasoning_tokens come from the engine's own ids, before the corrections below
+        reasoning = await self._reasoning_details(request, generate)
         if top is not None:
             trim_completion_candidates(generate, top)
         dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
@@ -126,13 +127,21 @@ class SidecarDerender:
                 result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
         if request.api is ApiKind.CHAT:
             _tool_calls_finish_reason(result, request.request.body)
-            if self._model.include_reasoning_details and isinstance(result.get("usage"), dict):
-                native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, original))
-                result["usage"]["completion_tokens_details"] = native["usage"]["completion_tokens_details"]
+            if reasoning is not None and isinstance(result.get("usage"), dict):
+                result["usage"]["completion_tokens_details"] = reasoning
         for choice, stop in zip(result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False):
             if stop is not None:
                 _cut_fields(choice.get("message") or choice, stop, final=True)
         return orjson.dumps(result)
+
+
+    async def _reasoning_details(self, request: TokenizedRequest, generate: dict[str, Any]) -> Any:
+        """Native `completion_tokens_details` of a whole chat answer (one parser pass, on a
+        thread), or None when no reasoning parser is configured; `generate` is only read."""
+        if request.api is not ApiKind.CHAT or not self._model.include_reasoning_details:
+            return None
+        native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, generate))
+        return native["usage"]["completion_tokens_details"]
 
 
 def _drop_stop_token(generate: dict[str, Any], keep_one: bool = False) -> bool:
