@@ -37,14 +37,54 @@ class Endpoint(_Strict):
         return f"http://{self.host}:{self.port}"
 
 
+class PublicRoute(_Strict):
+    """One method + path the listener serves; every other request gets a 404 from Envoy
+    and reaches nothing. `handler` says who answers: chat/completions are rendered and
+    routed token-only, passthrough goes to an engine untouched (never breaker input),
+    health is answered by the processor."""
+
+    method: Literal["GET", "POST"]
+    path: str
+    handler: Literal["chat", "completions", "passthrough", "health"]
+
+
+DEFAULT_ROUTES = [
+    PublicRoute(method="POST", path="/v1/chat/completions", handler="chat"),
+    PublicRoute(method="POST", path="/v1/completions", handler="completions"),
+    PublicRoute(method="GET", path="/v1/models", handler="passthrough"),
+    PublicRoute(method="GET", path="/health", handler="health"),
+]
+
+
 class ListenerConfig(_Strict):
-    """Envoy's OpenAI-facing listener and its admin port."""
+    """Envoy's OpenAI-facing listener, its edge limits and its admin port."""
 
     host: str = "127.0.0.1"
     port: int = 8080
     admin_port: int = 9901
-    max_request_bytes: int = 32 * MiB
+    routes: list[PublicRoute] = Field(default_factory=lambda: list(DEFAULT_ROUTES))
+    max_request_bytes: int = 32 * MiB  # request bodies; the processor answers 413 as bytes cross it
     stream_idle_timeout_s: int = 300
+    request_headers_timeout_s: int = 10  # a client that never finishes its headers
+    request_timeout_s: int = 60  # a client that never finishes its body (trickling uploads)
+    max_concurrent_streams: int = 128  # per HTTP/2 client connection
+    max_connections: int = 10000  # downstream connections, all listeners
+    envoy_max_heap_bytes: int = 1 << 30  # overload manager: shed load before Envoy's heap reaches it
+
+    @model_validator(mode="after")
+    def _unique_routes(self) -> ListenerConfig:
+        keys = [(r.method, r.path) for r in self.routes]
+        if len(set(keys)) != len(keys) or any(not r.path.startswith("/") for r in self.routes):
+            raise ValueError("listener.routes: each method+path once, paths starting with '/'")
+        return self
+
+    def handler(self, method: str, path: str) -> str | None:
+        """Who answers this request (query string ignored, as in Envoy's exact path match)."""
+        path = path.split("?", 1)[0]
+        for route in self.routes:
+            if route.method == method and route.path == path:
+                return route.handler
+        return None
 
 
 class ProcessorConfig(_Strict):
@@ -56,6 +96,13 @@ class ProcessorConfig(_Strict):
     admin_port: int = 9003  # /health, /debug/state, /metrics (on listen_host)
     grpc_max_message_bytes: int = 64 * MiB
     http_max_connections: int = 256
+    max_streams: int = 2048  # concurrent ext_proc streams Envoy may open (its circuit breaker)
+    max_response_bytes: int = 64 * MiB  # a buffered (non-streaming) engine response; over it: 502
+    # Request bodies + buffered responses of all streams; over it: 503. None: one maximal
+    # body (listener.max_request_bytes), so the processor's RSS stays within twice that under
+    # any burst of uploads (the rest is transport buffers). Raise it for many large bodies.
+    max_inflight_bytes: int | None = None
+    fallback_tokenizer_timeout_s: float = 10.0  # the local tokenizer's chat template, per request
 
 
 class RenderConfig(_Strict):
@@ -100,6 +147,7 @@ class PoolConfig(_Strict):
     name: str = "union"
     role: Literal["union", "prefill", "decode"] = "union"
     instances: list[Endpoint] = Field(default_factory=lambda: [Endpoint(port=8200)])
+    max_requests_per_instance: int = 1024  # Envoy's circuit breaker for the pool's cluster
 
     @property
     def cluster_name(self) -> str:
@@ -122,6 +170,7 @@ class SchedulerConfig(_Strict):
     load_weight: float = 1.0
     hit_rate_threshold: float = 0.0
     max_fallbacks: int = 2  # other instances Envoy may retry on before the first byte
+    retry_budget_percent: float = 20.0  # Envoy retries at most this share of active requests
     # on: clamp max_tokens to max_model_len - prompt tokens; prompts that do not fit get a 400
     context_budget_mode: Literal["on", "off"] = "off"
     breaker: BreakerSettings = BreakerSettings()
@@ -160,6 +209,10 @@ class TitoConfig(_Strict):
         if not self.pools[0].instances:
             raise ValueError("the union pool needs at least one instance")
         return self
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.processor.max_inflight_bytes or self.listener.max_request_bytes
 
     def to_yaml(self) -> str:
         return str(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))

@@ -26,6 +26,7 @@ def render_bootstrap(config: TitoConfig) -> str:
         pools=config.pools,
         pool=config.pools[0],
         retries=config.scheduler.max_fallbacks,
+        retry_budget_percent=config.scheduler.retry_budget_percent,
     )
 
 

@@ -49,3 +49,16 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "dump.yaml"
     path.write_text(config.to_yaml())
     assert load_config(path, env={}) == config
+
+
+def test_the_public_route_table_decides_who_answers() -> None:
+    listener = load_config(env={}).listener
+    assert listener.handler("POST", "/v1/chat/completions?x=1") == "chat"
+    assert listener.handler("POST", "/v1/completions") == "completions"
+    assert listener.handler("GET", "/v1/models") == "passthrough"
+    assert listener.handler("GET", "/health") == "health"
+    assert listener.handler("GET", "/v1/chat/completions") is None
+    assert listener.handler("POST", "/inference/v1/generate") is None
+    duplicate = "[{method: GET, path: /h, handler: health}, {method: GET, path: /h, handler: passthrough}]"
+    with pytest.raises(ValidationError):
+        load_config(env={"TITO__LISTENER__ROUTES": duplicate})

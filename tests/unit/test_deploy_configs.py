@@ -43,7 +43,27 @@ def test_bootstrap_has_the_measured_settings() -> None:
     assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext_proc["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert hcm["delayed_close_timeout"] == "0s"
-    assert listener["per_connection_buffer_limit_bytes"] >= 32 << 20
+    # Bodies stream to the processor, which enforces the request limit: Envoy holds little.
+    assert listener["per_connection_buffer_limit_bytes"] == 1 << 20
+    assert hcm["normalize_path"] and hcm["merge_slashes"]
+    assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
+    assert hcm["request_headers_timeout"] == "10s"
+    assert hcm["http_filters"][-1]["typed_config"]["suppress_envoy_headers"] is True
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    public = {(r["match"]["path"], r["match"]["headers"][0]["string_match"]["exact"]) for r in routes if "route" in r}
+    assert public == {
+        ("/v1/chat/completions", "POST"),
+        ("/v1/completions", "POST"),
+        ("/v1/models", "GET"),
+        ("/health", "GET"),
+    }
+    assert routes[-1]["match"] == {"prefix": "/"} and routes[-1]["direct_response"]["status"] == 404
+    assert [
+        c["circuit_breakers"]["thresholds"][0]["max_requests"] for c in bootstrap["static_resources"]["clusters"]
+    ] == [
+        2048,
+        1024,
+    ]
     pool = bootstrap["static_resources"]["clusters"][1]
     override = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
     # Routing only from processor metadata: no header source a client could set.
