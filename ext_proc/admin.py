@@ -20,6 +20,7 @@ def state(services: Services) -> dict[str, Any]:
         "active_exchanges": services.active_exchanges,
         "open_http_streams": services.http_streams.open_streams + services.http_streams.in_flight,
         "native_replays": services.native_replays,
+        "inflight_bytes": services.inflight.held,
         "tokenization": services.tokenization.snapshot(),
         "scheduler": services.scheduler.snapshot(),
         "event_loop_lag": services.loop_lag.snapshot(),

@@ -59,8 +59,8 @@ class InProcessDerender:
         try:
             return await asyncio.to_thread(derender_whole, self.model, request, generate)
         except Exception as exc:
-            log.exception("in-process derender failed")
-            raise GatewayError(500, f"derender failed: {exc!r}", code="derender_failed") from exc
+            log.exception("in-process derender failed for %s", request.request_id)
+            raise GatewayError(500, "derender failed", code="derender_failed") from exc
 
 
 class _InProcessStream:
@@ -76,8 +76,8 @@ class _InProcessStream:
                 self._session = await asyncio.to_thread(stream_session, *self._args)
             return bytes(self._session.steps([event for event, _ in events]))
         except Exception as exc:
-            log.exception("in-process stream derender failed")
-            raise GatewayError(500, f"derender failed: {exc!r}", code="derender_failed") from exc
+            log.exception("in-process stream derender failed for %s", self._args[1].request_id)
+            raise GatewayError(500, "derender failed", code="derender_failed") from exc
 
 
 def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
@@ -165,4 +165,3 @@ class StreamDerender:
     def _fail(self, status: int, message: str, code: str | int | None) -> bytes:
         self.done = True
         return sse_event(orjson.dumps(error_payload(status, message, code=code))) + DONE_EVENT
-

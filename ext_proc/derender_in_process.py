@@ -59,7 +59,7 @@ class DerenderModel:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         cls = ChatCompletionRequest if request.api is ApiKind.CHAT else CompletionRequest
-        return cls.model_validate(request.request.body)
+        return cls.model_validate(request.request.derender_body())
 
     def parser(self, client: Any) -> Any:
         if self.parser_cls is None:
@@ -366,7 +366,11 @@ class CompletionStream(_Session):
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         prompt = self._prompt_tokens
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion_tokens, "completion_tokens": completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
 
     def _usage_chunk(self) -> dict[str, Any]:
         return self._chunk([], usage=self._usage(sum(c.num_tokens for c in self._choices.values())))
@@ -401,7 +405,9 @@ class CompletionStream(_Session):
         return self._chunk([data], **extra)
 
 
-def stream_session(model: DerenderModel, request: TokenizedRequest, prompt_index: int = 0) -> ChatStream | CompletionStream:
+def stream_session(
+    model: DerenderModel, request: TokenizedRequest, prompt_index: int = 0
+) -> ChatStream | CompletionStream:
     if request.api is ApiKind.CHAT:
         return ChatStream(model, request, prompt_index)
     return CompletionStream(model, request, prompt_index)
@@ -474,11 +480,7 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         if named or required:
             message = ChatMessage(role="assistant", reasoning=reasoning, content=content or "", tool_calls=calls)
         elif (
-            model.enable_auto_tools
-            and tool_parser
-            and client.tools
-            and client.tool_choice in ("auto", None)
-            and calls
+            model.enable_auto_tools and tool_parser and client.tools and client.tool_choice in ("auto", None) and calls
         ):
             auto_called = True
             message = ChatMessage(role="assistant", reasoning=reasoning, content=content, tool_calls=calls)

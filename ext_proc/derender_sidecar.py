@@ -75,7 +75,7 @@ def _static_fields(client: DerenderClient, request: TokenizedRequest) -> bytes:
         + b',"'
         + request.api.client_request_key.encode()
         + b'":'
-        + request.request.raw
+        + orjson.dumps(request.request.derender_body())
     )
 
 
@@ -129,11 +129,12 @@ class SidecarDerender:
             _tool_calls_finish_reason(result, request.request.body)
             if reasoning is not None and isinstance(result.get("usage"), dict):
                 result["usage"]["completion_tokens_details"] = reasoning
-        for choice, stop in zip(result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False):
+        for choice, stop in zip(
+            result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False
+        ):
             if stop is not None:
                 _cut_fields(choice.get("message") or choice, stop, final=True)
         return orjson.dumps(result)
-
 
     async def _reasoning_details(self, request: TokenizedRequest, generate: dict[str, Any]) -> Any:
         """Native `completion_tokens_details` of a whole chat answer (one parser pass, on a
@@ -243,7 +244,9 @@ def _tool_calls_finish_reason(result: dict[str, Any], body: dict[str, Any]) -> N
     for choice in result.get("choices") or []:
         message = choice.get("message") or {}
         called = bool(message.get("tool_calls"))
-        if (called and tool_choice in (None, "auto")) or (tool_choice == "required" and choice.get("finish_reason") == "stop"):
+        if (called and tool_choice in (None, "auto")) or (
+            tool_choice == "required" and choice.get("finish_reason") == "stop"
+        ):
             choice["finish_reason"] = "tool_calls"
 
 
@@ -251,7 +254,9 @@ class SidecarStream:
     """One prompt's events through the sidecar, one `stream_state` per choice. A state
     advances only after derender succeeded for its event."""
 
-    def __init__(self, client: DerenderClient, request: TokenizedRequest, prompt_index: int, model: DerenderModel) -> None:
+    def __init__(
+        self, client: DerenderClient, request: TokenizedRequest, prompt_index: int, model: DerenderModel
+    ) -> None:
         self._client = client
         self._request = request
         prompt = request.prompts[prompt_index]
@@ -264,7 +269,9 @@ class SidecarStream:
         body = request.request.body
         self._model = model
         self._fix_logprobs = (
-            model.logprobs if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs") else None
+            model.logprobs
+            if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs")
+            else None
         )
         # usage's reasoning_tokens: counted by replaying the events through a parser once, at the end
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

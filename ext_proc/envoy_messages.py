@@ -6,16 +6,29 @@ from collections.abc import Iterable
 
 from google.protobuf import struct_pb2
 
-from protos.stubs import core_pb, ext_proc_pb
+from protos.stubs import core_pb, ext_proc_pb, type_pb
 
 LB_NAMESPACE = "envoy.lb"
+# Marks the processor's immediate responses: Envoy's local-reply formatter passes their
+# (already OpenAI) bodies through and formats only its own replies (envoy/envoy.yaml.j2).
+ANSWERED_NAMESPACE = "tito"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
 JSON = "application/json"
 # Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read by the processor,
 # never shown to clients.
 UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
-HIDDEN_RESPONSE_HEADERS = ("content-length", UPSTREAM_HOST_HEADER, ATTEMPT_COUNT_HEADER)
+HIDDEN_RESPONSE_HEADERS = (
+    "content-length",
+    UPSTREAM_HOST_HEADER,
+    ATTEMPT_COUNT_HEADER,
+    "x-envoy-upstream-service-time",
+)
+# The only client request headers an engine receives (plus pseudo-headers and host, which
+# Envoy owns): nothing a client sends may steer an engine (x-data-parallel-rank), Envoy's
+# router (x-envoy-max-retries, x-envoy-retry-on) or reach it unasked (authorization, cookies).
+FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "traceparent", "tracestate"})
+_ENVOY_OWNED = frozenset({"host", "transfer-encoding"})
 # Envoy forwards body pieces of at most this size (envoy-ext-proc.md §2).
 MAX_BODY_PIECE = 62 * 1024
 
@@ -27,6 +40,15 @@ def header_map(message: ext_proc_pb.HttpHeaders) -> Headers:
     return {
         h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
     }
+
+
+def unforwarded_headers(headers: Headers) -> list[str]:
+    """The client's request headers to remove before anything goes upstream."""
+    return [
+        name
+        for name in headers
+        if not name.startswith(":") and name not in FORWARDED_REQUEST_HEADERS and name not in _ENVOY_OWNED
+    ]
 
 
 def _header_mutation(set_headers: Headers | None, remove: Iterable[str]) -> ext_proc_pb.HeaderMutation:
@@ -126,4 +148,22 @@ def local_response_body(body: bytes, end_of_stream: bool) -> ext_proc_pb.Process
 def local_response(
     status: int, body: bytes, content_type: str = "application/json"
 ) -> list[ext_proc_pb.ProcessingResponse]:
+    """A whole answer from the processor, once the request body has ended."""
     return [local_response_headers(status, content_type), local_response_body(body, True)]
+
+
+def immediate_response(status: int, body: bytes) -> ext_proc_pb.ProcessingResponse:
+    """An answer at any point before the response reaches the client, also while the request
+    body is still arriving: Envoy sends it, opens no upstream and stops reading the request
+    (a streamed immediate response there would still open the upstream: envoy-ext-proc.md §5)."""
+    response = ext_proc_pb.ProcessingResponse(
+        immediate_response=ext_proc_pb.ImmediateResponse(
+            status=type_pb.HttpStatus(code=status),
+            headers=_header_mutation({"content-type": JSON}, HIDDEN_RESPONSE_HEADERS),
+            body=body,
+        )
+    )
+    metadata = struct_pb2.Struct()
+    metadata.update({ANSWERED_NAMESPACE: {"answered": True}})
+    response.dynamic_metadata.CopyFrom(metadata)
+    return response

@@ -14,13 +14,15 @@ endpoint. Anything that is not an OpenAI API tito renders passes through untouch
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from uuid import uuid4
 
 import httpx
 
+from ext_proc.byte_budget import ByteBudget, StreamBytes
 from ext_proc.config import TitoConfig
 from ext_proc.derender import Derenderer, StreamDerender
 from ext_proc.envoy_messages import (
@@ -31,6 +33,7 @@ from ext_proc.envoy_messages import (
     UPSTREAM_HOST_HEADER,
     Headers,
     header_map,
+    immediate_response,
     local_response,
     request_body_replies,
     request_headers_reply,
@@ -38,17 +41,22 @@ from ext_proc.envoy_messages import (
     response_body_reply,
     response_headers_reply,
     response_trailers_reply,
+    unforwarded_headers,
 )
-from ext_proc.errors import GatewayError, normalize_error_body
+from ext_proc.errors import GatewayError, error_body, normalize_error_body
 from ext_proc.http_client import CountingTransport
 from ext_proc.loop_lag import LoopLag
-from ext_proc.native import replay_native, token_only_unsupported
-from ext_proc.openai_api import is_multi_prompt, parse_request, requested_completion_tokens
-from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest, TokenizedRequest
+from ext_proc.model_files import vocab_size
+from ext_proc.native import native_body, replay_native, token_only_unsupported
+from ext_proc.openai_api import parse_request, requested_completion_tokens
+from ext_proc.protocol import GENERATE_PATH, ApiKind, PromptTokens, TokenizedRequest
+from ext_proc.streaming import DONE_EVENT, sse_event
 from ext_proc.token_only import generate_body, requested_max_tokens
 from ext_proc.tokenization import TokenizationService
 from protos.stubs import ext_proc_pb
 from scheduler import ContextOverflow, Decision, Rejection, Scheduler, ScheduleRequest, clamp_max_tokens
+
+log = logging.getLogger("tito.exchange")
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Services:
     scheduler: Scheduler
     http: httpx.AsyncClient
     http_streams: CountingTransport
+    inflight: ByteBudget
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
     native_replays: int = 0
@@ -85,12 +94,14 @@ class Exchange:
         self.mode = Mode.PENDING
         self._api: ApiKind | None = None
         self._request_headers: Headers = {}
-        self._body = bytearray()
+        # Pieces as they came (joined once at the end: no re-allocation while a body grows)
+        self._body: list[bytes] = []
         self._body_bytes = 0
-        self._response_body = bytearray()
+        self._response_body: list[bytes] = []
+        self._response_bytes = 0
+        self._held = StreamBytes(services.inflight)  # request/response bytes this stream buffers
         # Our own id, never a client's: it keys the token ledger and the engine's request.
         self._request_id = uuid4().hex
-        self._request: OpenAIRequest | None = None
         self._tokenized: TokenizedRequest | None = None
         self._derender: StreamDerender | None = None
         self._status = 200
@@ -108,6 +119,7 @@ class Exchange:
             return
         self._closed = True
         self._services.active_exchanges -= 1
+        self._held.release()
         if self._decision is not None:
             self._services.scheduler.finish(
                 self._decision.request_id, time.monotonic(), self._failed_hosts, self._served_by
@@ -129,24 +141,65 @@ class Exchange:
             replies = self._on_response_trailers()
         else:
             return
-        async for reply in replies:
-            yield reply
+        try:
+            async for reply in replies:
+                yield reply
+        except Exception:
+            # A processor bug: the client gets a generic 500, the log has the details.
+            log.exception("request %s: processor error on %s (mode %s)", self._request_id, kind, self.mode.value)
+            for reply in self._internal_error():
+                yield reply
+
+    def _internal_error(self) -> list[ext_proc_pb.ProcessingResponse]:
+        if self._response_done or self.mode is Mode.LOCAL:
+            return []
+        message = f"internal gateway error (request {self._request_id})"
+        if self.mode is Mode.STREAM:  # the client has the headers: end its stream with an error event
+            self._response_done = True
+            return [response_body_reply(sse_event(error_body(500, message, code="internal_error")) + DONE_EVENT, True)]
+        return [self._reject(GatewayError(500, message, code="internal_error"))]
+
+    def _reject(self, error: GatewayError) -> ext_proc_pb.ProcessingResponse:
+        """Answer now, whatever has arrived: no upstream is opened (or it is dropped), the
+        rest of the request is not read, and the bytes held so far are let go."""
+        self.mode = Mode.LOCAL
+        self._response_done = True
+        self._body, self._response_body = [], []
+        self._held.release()
+        return immediate_response(error.status, error.body)
 
     # -- request path -------------------------------------------------------------------
 
     async def _on_request_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
-        self._request_headers = header_map(message)
-        method = self._request_headers.get(":method", "")
-        self._api = ApiKind.from_path(method, self._request_headers.get(":path", ""))
-        if self._api is None:
+        self._request_headers = headers = header_map(message)
+        listener = self._services.config.listener
+        handler = listener.handler(headers.get(":method", ""), headers.get(":path", ""))
+        if handler is None:  # Envoy's route table answers these itself; never forward one
+            yield self._reject(GatewayError(404, "not found", code="not_found"))
+        elif handler == "health":
+            self.mode = Mode.LOCAL
+            yield immediate_response(200, b'{"status":"ok"}')
+        elif handler == "passthrough":
+            # Not inference: no lease, no half-open probe, and its outcome is no breaker input.
             self.mode = Mode.PASSTHROUGH
-            try:
-                yield self._native_headers(self._schedule(ScheduleRequest(self._request_id, [], 0)))
-            except GatewayError:  # no instance admissible: not token work, let Envoy pick
-                yield request_headers_reply(remove=(DESTINATION_KEY,))
-        elif message.end_of_stream:
-            async for reply in self._answer(GatewayError(400, "request body is required", code="missing_body")):
-                yield reply
+            hosts = self._services.scheduler.passthrough_hosts()
+            yield request_headers_reply(remove=self._unforwarded(), destination=",".join(hosts))
+        else:
+            self._api = ApiKind.from_handler(handler)
+            declared = headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > listener.max_request_bytes:
+                yield self._reject(self._too_large())
+            elif message.end_of_stream:
+                async for reply in self._answer(GatewayError(400, "request body is required", code="missing_body")):
+                    yield reply
+
+    def _unforwarded(self, *also: str) -> tuple[str, ...]:
+        """Request headers removed before the upstream: all but the forwarded few."""
+        return (*also, DESTINATION_KEY, *unforwarded_headers(self._request_headers))
+
+    def _too_large(self) -> GatewayError:
+        limit = self._services.config.listener.max_request_bytes
+        return GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
 
     async def _on_request_body(self, message: ext_proc_pb.HttpBody) -> Replies:
         if self.mode is Mode.PASSTHROUGH:
@@ -155,12 +208,16 @@ class Exchange:
             return
         if self.mode is not Mode.PENDING:  # duplicate end_of_stream (envoy#46237) or late data
             return
-        limit = self._services.config.listener.max_request_bytes
-        self._body_bytes += len(message.body)
-        if self._body_bytes <= limit:
-            self._body += message.body
-        elif self._body:
-            self._body = bytearray()  # over the limit: drop it, keep reading to the end
+        # Enforced as the bytes arrive: an endless upload is cut off at the limit.
+        piece = message.body  # a copy per access: read once
+        self._body_bytes += len(piece)
+        if self._body_bytes > self._services.config.listener.max_request_bytes:
+            yield self._reject(self._too_large())
+            return
+        if not self._held.take(len(piece)):
+            yield self._reject(GatewayError(503, "the gateway is out of request buffer space", code="overloaded"))
+            return
+        self._body.append(piece)
         if message.end_of_stream:
             async for reply in self._dispatch(end_of_stream=True):
                 yield reply
@@ -174,23 +231,15 @@ class Exchange:
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
+        raw, self._body = b"".join(self._body), []
+        self._held.release()  # parsed once below; the raw bytes are not kept
         try:
             config = self._services.config
-            # Answered only now that the body ended: an answer before that still opens the upstream.
-            if self._body_bytes > config.listener.max_request_bytes:
-                limit = config.listener.max_request_bytes
-                raise GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
             request = parse_request(
-                self._api, self._request_headers.get("content-type"), bytes(self._body), config.model
+                self._api, self._request_headers.get("content-type"), raw, config.model, vocab_size(config.model.path)
             )
-            self._request = request
-            if is_multi_prompt(request):
-                # Multi-prompt fan-out is processor-owned work still to come; the engine's
-                # own OpenAI endpoint answers correctly meanwhile.
-                replies = self._route_native(request, self._schedule(ScheduleRequest(self._request_id, [], 0)))
-            else:
-                tokenized = await self._services.tokenization.tokenize(request, self._request_id)
-                replies = self._route(tokenized)
+            tokenized = await self._services.tokenization.tokenize(request, raw, self._request_id)
+            replies = self._route(tokenized, raw)
         except GatewayError as error:
             async for reply in self._answer(error):
                 yield reply
@@ -200,34 +249,42 @@ class Exchange:
                 reply.request_body.response.body_mutation.streamed_response.end_of_stream = False
             yield reply
 
-    def _route(self, tokenized: TokenizedRequest) -> list[ext_proc_pb.ProcessingResponse]:
-        prompt = tokenized.prompts[0]
-        prompt_len = len(prompt.token_ids)
-        if tokenized.complete:
-            max_tokens = self._budgeted_max_tokens(prompt_len, requested_max_tokens(prompt))
-        else:  # the engine will apply the request's own limit on the native path
-            max_tokens = requested_completion_tokens(
-                tokenized.request, self._services.config.model.max_model_len - prompt_len
-            )
-        decision = self._schedule(ScheduleRequest(tokenized.request_id, prompt.token_ids, max_tokens))
-        if not tokenized.complete or not self._services.scheduler.supports_token_only(decision.instance.address):
-            return self._route_native(tokenized.request, decision)
-        self._tokenized = tokenized
+    def _route(self, tokenized: TokenizedRequest, raw: bytes) -> list[ext_proc_pb.ProcessingResponse]:
+        decision = self._schedule(self._schedule_request(tokenized))
+        if (
+            len(tokenized.prompts) > 1  # multi-prompt fan-out is processor-owned work still to come
+            or not tokenized.complete
+            or not self._services.scheduler.supports_token_only(decision.instance.address)
+        ):
+            self.mode = Mode.PASSTHROUGH  # the engine's own endpoint answers; its response passes through
+            headers = request_headers_reply(remove=self._unforwarded(), destination=",".join(decision.hosts))
+            return [headers, *request_body_replies(native_body(tokenized.request, raw))]
+        self._tokenized = replace(tokenized, request=tokenized.request.kept())  # no metadata for the stream's life
         self.mode = Mode.ROUTED
+        prompt = tokenized.prompts[0]
+        set_headers = {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": tokenized.request_id}
         headers = request_headers_reply(
-            set_headers={":path": GENERATE_PATH, "content-type": JSON, "x-request-id": tokenized.request_id},
-            remove=("content-length", DESTINATION_KEY),
+            set_headers=set_headers,
+            remove=[h for h in self._unforwarded("content-length") if h not in set_headers],
             destination=",".join(decision.hosts),
         )
+        max_tokens = self._max_tokens(tokenized, prompt)
         return [headers, *request_body_replies(generate_body(prompt, max_tokens, tokenized.api))]
 
-    def _route_native(self, request: OpenAIRequest, decision: Decision) -> list[ext_proc_pb.ProcessingResponse]:
-        """The original OpenAI body to the engine's own endpoint; its response passes through."""
-        self.mode = Mode.PASSTHROUGH
-        return [self._native_headers(decision), *request_body_replies(request.raw)]
+    def _schedule_request(self, tokenized: TokenizedRequest) -> ScheduleRequest:
+        """Admission charges every prompt of the batch and n × max_tokens for each; the
+        first prompt's ids drive instance choice."""
+        first, *rest = tokenized.prompts
+        n = tokenized.n
+        others = sum(len(p.token_ids) + n * self._max_tokens(tokenized, p) for p in rest)
+        return ScheduleRequest(tokenized.request_id, first.token_ids, self._max_tokens(tokenized, first), n, others)
 
-    def _native_headers(self, decision: Decision) -> ext_proc_pb.ProcessingResponse:
-        return request_headers_reply(remove=(DESTINATION_KEY,), destination=",".join(decision.hosts))
+    def _max_tokens(self, tokenized: TokenizedRequest, prompt: PromptTokens) -> int:
+        prompt_len = len(prompt.token_ids)
+        if tokenized.complete:
+            return self._budgeted_max_tokens(prompt_len, requested_max_tokens(prompt))
+        # the engine will apply the request's own limit on the native path
+        return requested_completion_tokens(tokenized.request, self._services.config.model.max_model_len - prompt_len)
 
     def _budgeted_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         config = self._services.config
@@ -299,11 +356,24 @@ class Exchange:
             out = await self._derender.feed(message.body)
             if message.end_of_stream:
                 out += await self._derender.finish()
-                self._response_done = True
-            if out or message.end_of_stream:
-                yield response_body_reply(out, message.end_of_stream)
+            # [DONE] or a failure ends the client's response; ending it early also ends the
+            # upstream stream, so an engine never generates for nobody.
+            end = message.end_of_stream or self._derender.done
+            self._response_done = end
+            if out or end:
+                yield response_body_reply(out, end)
         elif self.mode in (Mode.BUFFERED, Mode.ERROR):
-            self._response_body += message.body
+            piece = message.body
+            cap = self._services.config.processor.max_response_bytes
+            self._response_bytes += len(piece)
+            if self._response_bytes > cap:
+                error = GatewayError(502, f"engine response exceeds {cap} bytes", code="engine_response_too_large")
+                yield self._reject(error)
+                return
+            if not self._held.take(len(piece)):
+                yield self._reject(GatewayError(503, "the gateway is out of response buffer space", code="overloaded"))
+                return
+            self._response_body.append(piece)
             if message.end_of_stream:
                 async for reply in self._finish_buffered(end_of_stream=True):
                     yield reply
@@ -324,7 +394,8 @@ class Exchange:
     async def _finish_buffered(self, end_of_stream: bool) -> Replies:
         assert self._tokenized is not None
         self._response_done = True
-        upstream = bytes(self._response_body)
+        upstream, self._response_body = b"".join(self._response_body), []
+        self._held.release()
         if self.mode is Mode.ERROR and token_only_unsupported(self._status, upstream):
             async for reply in self._replay_native(end_of_stream):
                 yield reply
@@ -345,10 +416,10 @@ class Exchange:
     async def _replay_native(self, end_of_stream: bool) -> Replies:
         """The engine has no token-only generate and sent nothing yet: the same request once
         more on its native endpoint, from the processor; remembered for that instance."""
-        assert self._decision is not None and self._request is not None
+        assert self._decision is not None and self._tokenized is not None
         address = self._served_by or self._decision.instance.address
         self._services.scheduler.mark_token_only_unsupported(address)
         self._services.native_replays += 1
         idle_s = self._services.config.listener.stream_idle_timeout_s
-        async for reply in replay_native(self._services.http, address, self._request, idle_s, end_of_stream):
+        async for reply in replay_native(self._services.http, address, self._tokenized.request, idle_s, end_of_stream):
             yield reply

@@ -15,11 +15,19 @@ import orjson
 
 from ext_proc.envoy_messages import HIDDEN_RESPONSE_HEADERS, JSON, response_body_reply, response_headers_reply
 from ext_proc.errors import error_body
-from ext_proc.protocol import OpenAIRequest
+from ext_proc.protocol import NOT_FOR_ENGINES, OpenAIRequest
 from protos.stubs import ext_proc_pb
 
 # What an engine without `/inference/v1/generate` answers (route missing / not implemented).
 UNSUPPORTED_STATUSES = frozenset({404, 501})
+
+
+def native_body(request: OpenAIRequest, raw: bytes) -> bytes:
+    """The client's body for an engine's own endpoint: as sent, unless it carries fields an
+    engine must not get (then re-encoded without them)."""
+    if any(key in request.body for key in NOT_FOR_ENGINES):
+        return orjson.dumps(request.engine_body())
+    return raw
 
 
 def token_only_unsupported(status: int, body: bytes) -> bool:
@@ -43,7 +51,7 @@ async def replay_native(
         async with http.stream(
             "POST",
             f"http://{address}{request.api.value}",
-            content=request.raw,
+            content=orjson.dumps(request.engine_body()),
             headers={"content-type": JSON},
             timeout=timeout,
         ) as response:

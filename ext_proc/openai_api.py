@@ -10,8 +10,12 @@ from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest
 
+MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
-def parse_request(api: ApiKind, content_type: str | None, raw: bytes, model: ModelConfig) -> OpenAIRequest:
+
+def parse_request(
+    api: ApiKind, content_type: str | None, raw: bytes, model: ModelConfig, vocab_size: int | None = None
+) -> OpenAIRequest:
     if content_type is not None and "json" not in content_type.lower():
         raise GatewayError(
             400, f"content-type must be application/json, got {content_type!r}", code="invalid_content_type"
@@ -22,7 +26,7 @@ def parse_request(api: ApiKind, content_type: str | None, raw: bytes, model: Mod
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
-    request = OpenAIRequest(api=api, body=body, raw=raw)
+    request = OpenAIRequest(api=api, body=body)
     requested = body.get("model")
     if requested is not None and requested != model.served_name:
         raise GatewayError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
@@ -31,15 +35,25 @@ def parse_request(api: ApiKind, content_type: str | None, raw: bytes, model: Mod
         raise GatewayError(
             400, f"'{required}' is a required property", param=required, code="missing_required_parameter"
         )
+    if api is ApiKind.COMPLETIONS:
+        _check_token_ids(body["prompt"], vocab_size)
     return request
 
 
-def is_multi_prompt(request: OpenAIRequest) -> bool:
-    """Completions with several prompts: a list of strings or of token-id lists."""
-    if request.api is not ApiKind.COMPLETIONS:
-        return False
-    prompt = request.body.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt)
+def _check_token_ids(prompt: Any, vocab_size: int | None) -> None:
+    """Token-id prompts (`[1, 2]` or `[[1, 2], [3]]`): every id an int in the vocabulary,
+    checked before anything is rendered, admitted or sent."""
+    if not isinstance(prompt, list):
+        return
+    for ids in prompt if prompt and isinstance(prompt[0], list) else [prompt]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            continue  # text prompts, or a shape render will reject with its own message
+        limit = vocab_size or MAX_TOKEN_ID
+        bad = next((t for t in ids if not 0 <= t < limit), None)
+        if bad is not None:
+            raise GatewayError(
+                400, f"token id {bad} is out of vocabulary [0, {limit})", param="prompt", code="invalid_token_id"
+            )
 
 
 def requested_completion_tokens(request: OpenAIRequest, remaining_context: int) -> int:

@@ -34,23 +34,26 @@ class ApiKind(enum.Enum):
         return "chat_request" if self is ApiKind.CHAT else "completion_request"
 
     @classmethod
-    def from_path(cls, method: str, path: str) -> ApiKind | None:
-        if method != "POST":
-            return None
-        path = path.split("?", 1)[0].rstrip("/")
-        for kind in cls:
-            if path == kind.value:
-                return kind
-        return None
+    def from_handler(cls, handler: str) -> ApiKind | None:
+        """The API of a public route's handler (`listener.routes`), if tito renders it."""
+        return {"chat": cls.CHAT, "completions": cls.COMPLETIONS}.get(handler)
+
+
+# Client fields that would let a client steer engines (P/D transfer, engine-side extra args,
+# scheduling priority, prefix-cache salting): the gateway owns them, engines never see a
+# client's value.
+ENGINE_STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "priority", "cache_salt")
+# ...and fields no engine or derender reads: a large `metadata` is neither kept for the life
+# of a stream nor sent anywhere.
+NOT_FOR_ENGINES = ("metadata", "user", *ENGINE_STEERING_FIELDS)
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """The client's request, parsed once."""
+    """The client's request, parsed once (the raw bytes are not kept)."""
 
     api: ApiKind
     body: dict[str, Any]
-    raw: bytes
 
     @property
     def model(self) -> str | None:
@@ -60,6 +63,27 @@ class OpenAIRequest:
     @property
     def stream(self) -> bool:
         return self.body.get("stream") is True
+
+    @property
+    def n(self) -> int:
+        n = self.body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+    def engine_body(self) -> dict[str, Any]:
+        """The body an engine's own OpenAI endpoint gets (native path), and all the gateway
+        keeps of the request once it is routed: no steering fields, no metadata."""
+        return {k: v for k, v in self.body.items() if k not in NOT_FOR_ENGINES}
+
+    def kept(self) -> OpenAIRequest:
+        return OpenAIRequest(self.api, self.engine_body())
+
+    def derender_body(self) -> dict[str, Any]:
+        """What derender reads of the client request: chat keeps only the last message
+        (echo), everything the output depends on (tools, n, logprobs, stop, ...) stays."""
+        body = self.engine_body()
+        if self.api is ApiKind.CHAT and isinstance(body.get("messages"), list):
+            body["messages"] = body["messages"][-1:]
+        return body
 
 
 @dataclass
@@ -98,7 +122,17 @@ class TokenizedRequest:
 
     @property
     def stream(self) -> bool:
-        return self.request.stream
+        """As render understood the request (it accepts what vLLM accepts, e.g. "true")."""
+        rendered = self.prompts[0].generate_request if self.prompts else None
+        return bool(rendered.get("stream")) if rendered is not None else self.request.stream
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt, each of which may generate max_tokens."""
+        rendered = self.prompts[0].generate_request if self.prompts else None
+        if rendered is not None:
+            return int(rendered["sampling_params"].get("n", 1))
+        return self.request.n
 
     @property
     def prompt_tokens(self) -> int:

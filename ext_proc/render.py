@@ -40,11 +40,12 @@ class RenderClient:
         self._timeout = config.timeout_ms / 1000
         self._http = http
 
-    async def render(self, request: OpenAIRequest, request_id: str) -> TokenizedRequest:
+    async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        """`raw`: the client's body as it came (render validates it like vLLM serving)."""
         try:
             response = await self._http.post(
                 self._base + request.api.render_path,
-                content=request.raw,
+                content=raw,
                 headers={"content-type": "application/json", "x-request-id": request_id},
                 timeout=self._timeout,
             )

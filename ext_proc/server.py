@@ -12,6 +12,7 @@ import grpc
 import httpx
 
 from ext_proc.admin import start_admin
+from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender import build_derenderer
 from ext_proc.derender_sidecar import DerenderClient
@@ -80,15 +81,18 @@ def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: Countin
     tokenization = TokenizationService(
         RenderClient(render, http) if render.enable else None,
         CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
-        LocalTokenizer(config.model.path),
+        LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
     )
     return Services(
         config=config,
         tokenization=tokenization,
-        derender=build_derenderer(config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)),
+        derender=build_derenderer(
+            config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)
+        ),
         scheduler=build_scheduler(config),
         http=http,
         http_streams=streams,
+        inflight=ByteBudget(config.inflight_bytes),
     )
 
 
@@ -96,7 +100,15 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT or cancellation; in-flight streams get a short grace."""
     limit = config.processor.grpc_max_message_bytes
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            # A fixed 1 MiB receive window per stream: Envoy cannot push request bodies far
+            # ahead of what the processor has read and counted (BDP probing grew the windows
+            # to tens of MiB: measured +50 MiB RSS under 8 concurrent large uploads).
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", 1 << 20),
+        ]
     )
     http, streams = http_client(config)
     async with http:

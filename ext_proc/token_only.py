@@ -10,6 +10,21 @@ from ext_proc.errors import GatewayError
 from ext_proc.protocol import DEFAULT_MAX_TOKENS, ApiKind, PromptTokens
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# What of render's GenerateRequest an engine gets. Left out: the client-controlled fields
+# that steer engines (`priority`, `cache_salt`, `kv_transfer_params` — P/D is the gateway's
+# business —, `ec_transfer_params`) and what generate does not use (`token_offsets`).
+_GENERATE_FIELDS = (
+    "request_id",
+    "token_ids",
+    "features",
+    "content_parts",
+    "model",
+    "reasoning_ended",
+    "reasoning_parser_kwargs",
+    "return_token_ids",
+    "stream",
+    "stream_options",
+)
 
 
 def generate_body(prompt: PromptTokens, max_tokens: int, api: ApiKind) -> bytes:
@@ -17,8 +32,11 @@ def generate_body(prompt: PromptTokens, max_tokens: int, api: ApiKind) -> bytes:
     max_tokens (always explicit: see `requested_max_tokens`)."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
-    body = dict(prompt.generate_request)
-    body["sampling_params"] = {**prompt.sampling_params, "max_tokens": max_tokens}
+    rendered = prompt.generate_request
+    body = {key: rendered[key] for key in _GENERATE_FIELDS if rendered.get(key) is not None}
+    # extra_args carries the client's `vllm_xargs` (and a `kv_transfer_params` render moved there)
+    params = {k: v for k, v in prompt.sampling_params.items() if k != "extra_args"}
+    body["sampling_params"] = {**params, "max_tokens": max_tokens}
     logprobs = prompt.sampling_params.get("logprobs")
     if api is ApiKind.COMPLETIONS and isinstance(logprobs, int) and 0 <= logprobs < MAX_LOGPROBS:
         # Completions show the sampled token plus the top k; generate cuts its list to k

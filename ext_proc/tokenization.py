@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.render import RenderClient, RenderRejected, RenderUnavailable
 from scheduler import CircuitBreaker
@@ -22,12 +23,28 @@ from scheduler import CircuitBreaker
 log = logging.getLogger("tito.tokenization")
 
 
-class LocalTokenizer:
-    """The engines' own tokenizer and chat template, loaded on the first real fallback, off the loop."""
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+# Never template variables a client may set: they are the call itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "messages", "tools", "conversation", "return_dict"})
+_HF_TEMPLATE_PARAMS = frozenset({"add_generation_prompt", "continue_final_message", "documents"})
 
-    def __init__(self, model_path: str | None) -> None:
+
+class LocalTokenizer:
+    """The engines' own tokenizer and chat template, loaded on the first real fallback, off the loop.
+
+    As vLLM serves by default: a client's own chat template is refused, and of its
+    `chat_template_kwargs` only the variables the model's template declares are passed on.
+    The work is bounded by `timeout_s` (the thread cannot be interrupted, but the request
+    stops waiting for it and goes the native path)."""
+
+    def __init__(self, model_path: str | None, timeout_s: float = 10.0) -> None:
         self._model_path = model_path
+        self._timeout_s = timeout_s
         self._tokenizer: Any = None
+        self._template_vars: frozenset[str] = frozenset()
         self._lock = asyncio.Lock()
 
     @property
@@ -35,29 +52,52 @@ class LocalTokenizer:
         return self._tokenizer is not None
 
     async def token_ids(self, request: OpenAIRequest) -> list[int]:
+        kwargs = self._template_kwargs(request)
         if self._tokenizer is None:
             async with self._lock:
                 if self._tokenizer is None:
                     self._tokenizer = await asyncio.to_thread(self._load)
-        return await asyncio.to_thread(self._encode, request)
+        return await asyncio.wait_for(asyncio.to_thread(self._encode, request, kwargs), self._timeout_s)
+
+    def _template_kwargs(self, request: OpenAIRequest) -> dict[str, Any]:
+        """The client's chat-template kwargs vLLM would accept; a client template is a 400."""
+        if request.api is not ApiKind.CHAT:
+            return {}
+        kwargs = request.body.get("chat_template_kwargs") or {}
+        if request.body.get("chat_template") is not None or (
+            isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
+        ):
+            raise GatewayError(400, UNTRUSTED_TEMPLATE, param="chat_template", code="untrusted_chat_template")
+        if not isinstance(kwargs, dict):
+            raise GatewayError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        if "tokenize" in kwargs:
+            message = "Found unexpected chat template kwargs from request: {'tokenize'}"
+            raise GatewayError(400, message, param="chat_template_kwargs")
+        accepted = (self._template_vars | _HF_TEMPLATE_PARAMS) - _RESERVED_TEMPLATE_KWARGS
+        return {k: v for k, v in kwargs.items() if k in accepted}
 
     def _load(self) -> Any:
         if not self._model_path:
             raise RuntimeError("no model path configured for the local tokenizer")
-        from transformers import AutoTokenizer  # heavy import: only on the first fallback
+        import jinja2.meta  # heavy imports: only on the first fallback
+        import jinja2.sandbox
+        from transformers import AutoTokenizer
 
         log.info("loading the local tokenizer from %s", self._model_path)
-        return AutoTokenizer.from_pretrained(self._model_path)
+        tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        parsed = jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+        self._template_vars = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+        return tokenizer
 
-    def _encode(self, request: OpenAIRequest) -> list[int]:
+    def _encode(self, request: OpenAIRequest, template_kwargs: dict[str, Any]) -> list[int]:
         body = request.body
         if request.api is ApiKind.CHAT:
             ids = self._tokenizer.apply_chat_template(
                 body["messages"],
                 tools=body.get("tools"),
-                add_generation_prompt=True,
                 tokenize=True,
-                **(body.get("chat_template_kwargs") or {}),
+                **{"add_generation_prompt": True, **template_kwargs},
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
                 ids = ids["input_ids"]
@@ -77,13 +117,13 @@ class TokenizationService:
         self.local = local
         self.fallbacks: Counter[str] = Counter()
 
-    async def tokenize(self, request: OpenAIRequest, request_id: str) -> TokenizedRequest:
+    async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         started = time.monotonic()
         reason = "render_disabled" if self._render is None else "render_breaker_open"
         if self._render is not None and self._breaker.allows(started):
             self._breaker.on_dispatch()
             try:
-                tokenized = await self._render.render(request, request_id)
+                tokenized = await self._render.render(request, raw, request_id)
             except RenderRejected:
                 self._breaker.record_success()  # render works; the request is wrong
                 raise
@@ -103,6 +143,8 @@ class TokenizationService:
         self.fallbacks[reason] += 1
         try:
             ids = await self.local.token_ids(request)
+        except GatewayError:  # the request itself is refused (a client chat template)
+            raise
         except Exception as exc:  # noqa: BLE001 - no ids is still a servable request (native path)
             log.warning("local tokenizer failed for %s: %r", request_id, exc)
             ids = []

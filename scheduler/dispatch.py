@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.breaker import BreakerConfig, CircuitBreaker
+from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.instances import Instance, Pool, Role
 from scheduler.ledger import TokenLedger
 from scheduler.policies import Candidate, Policy
@@ -20,10 +20,13 @@ class ScheduleRequest:
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
+    n: int = 1  # choices: each may generate max_tokens
+    other_prompts_demand: int = 0  # the rest of a multi-prompt batch (its prompts + n × max_tokens each)
 
     @property
     def demand(self) -> int:
-        return len(self.prompt_token_ids) + self.max_tokens
+        """What admission charges: the prompt plus every token the engine may generate."""
+        return len(self.prompt_token_ids) + self.n * self.max_tokens + self.other_prompts_demand
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,14 @@ class Scheduler:
             self.prefix_index.record(hashes, chosen.instance.address)
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
         return Decision(request.request_id, chosen.instance, fallbacks, chosen.matched_tokens)
+
+    def passthrough_hosts(self) -> tuple[str, ...]:
+        """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
+        breaker, least busy first, else any. It takes no lease and no half-open probe, and its
+        outcome is never breaker input."""
+        closed = [i for i in self.pool.instances if self.breakers[i.address].state is BreakerState.CLOSED]
+        ranked = sorted(closed or self.pool.instances, key=lambda i: self.ledger.active_requests(i.address))
+        return tuple(i.address for i in ranked)
 
     def finish(self, request_id: str, now: float, failed: Iterable[str] = (), served_by: str | None = None) -> None:
         """Release the request's tokens and tell the breakers what the engines did.
