@@ -50,7 +50,9 @@ class Fault:
     - `status`: answer `status` (e.g. 500, 503, 404, 501) before any output;
     - `inband_error`: after `after_tokens` tokens, a `data: {"error": …}` event, then `[DONE]`;
     - `abort`: after `after_tokens` tokens, drop the TCP connection mid-body;
-    - `stall`: after `after_tokens` tokens, send nothing more (until the client leaves).
+    - `stall`: after `after_tokens` tokens, send nothing more (until the client leaves);
+    - `garbage`: after `after_tokens` tokens, one event that is JSON but no generate event,
+      then the rest of the stream as if nothing happened (derender fails on it).
     Refusing connections is `SimServer.stop()` (and `restart()` to come back)."""
 
     kind: str
@@ -76,7 +78,9 @@ class EngineSim:
     finish_reason: str = "length"
     stop_reason: int | str | None = None
     fault: Fault | None = None
+    pad_bytes: int = 0  # non-streaming generate answers carry this much padding (oversized responses)
     received: list[Received] = field(default_factory=list)
+    streams_cut: int = 0  # generate streams the client (Envoy) left before the end
 
     @property
     def address(self) -> str:
@@ -152,6 +156,7 @@ class EngineSim:
                 "kv_transfer_params": None,
                 "ec_transfer_params": None,
                 "output_mode": "tokens",
+                **({"padding": "x" * self.pad_bytes} if self.pad_bytes else {}),
                 "choices": [
                     {
                         "index": 0,
@@ -176,6 +181,23 @@ class EngineSim:
         fault: Fault | None,
         end: tuple[str, int | str | None, int | None] = ("length", None, None),
     ) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for event in self._events(request_id, tokens, usage, include_usage, fault, end):
+                yield event
+            finished = True
+        finally:
+            self.streams_cut += not finished
+
+    async def _events(
+        self,
+        request_id: str,
+        tokens: list[int],
+        usage: dict[str, int],
+        include_usage: bool,
+        fault: Fault | None,
+        end: tuple[str, int | str | None, int | None],
+    ) -> AsyncIterator[bytes]:
         finish, stop_reason, top_k = end
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
@@ -198,6 +220,8 @@ class EngineSim:
                     raise AbortStream()
                 if fault.kind == "stall":
                     await asyncio.Event().wait()
+                if fault.kind == "garbage":
+                    yield _sse({"request_id": request_id, "choices": 5})
             if self.token_delay_s and i:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(tokens) - 1
@@ -219,6 +243,8 @@ class EngineSim:
     async def native(self, request: Request) -> Response:
         """The engine's own OpenAI endpoints (the native path): a fixed short answer."""
         body = json.loads(await self._record(request))
+        if self.ttft_s:
+            await asyncio.sleep(self.ttft_s)
         chat = request.url.path.endswith("chat/completions")
         n_prompts = 1 if chat or not isinstance(body.get("prompt"), list) else len(body["prompt"])
         kind = "chatcmpl-" if chat else "cmpl-"
@@ -262,10 +288,21 @@ class EngineSim:
 
     async def models(self, request: Request) -> Response:
         await self._record(request)
+        fault = self._take_fault()
+        if fault is not None and fault.kind == "status":
+            return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "sim"}]})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
+
+    async def other(self, request: Request) -> Response:
+        """Every other engine route (abort, tokenize, metrics, scale_elastic_ep, ...): recorded,
+        so a test can prove none was reached; scale_elastic_ep fails like a real engine's."""
+        await self._record(request)
+        if request.url.path == "/scale_elastic_ep":
+            return _error(500, "scale_elastic_ep failed", "InternalServerError")
+        return JSONResponse({})
 
     async def control(self, request: Request) -> Response:
         """Process mode: `POST /sim/control {"ttft_s", "token_delay_s", "tokens", "fault": {…}|null}`;
@@ -275,7 +312,7 @@ class EngineSim:
                 [{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received]
             )
         update = await request.json()
-        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason"):
+        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason", "pad_bytes"):
             if key in update:
                 setattr(self, key, update[key])
         if "fault" in update:
@@ -291,6 +328,7 @@ class EngineSim:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/sim/control", self.control, methods=["GET", "POST"]),
+                Route("/{path:path}", self.other, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
             ]
         )
 

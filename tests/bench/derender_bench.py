@@ -16,8 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import orjson
-
 from ext_proc.config import ModelConfig
 from ext_proc.derender_in_process import ChatStream, DerenderModel
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
@@ -30,6 +28,7 @@ TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 
 
 def answer_ids(model: DerenderModel, n_tokens: int) -> list[int]:
     """Token ids of `<think>…</think>` + content + a tool call, about `n_tokens` long."""
+
     def encode(text: str) -> list[int]:
         return [int(t) for t in model.tokenizer.encode(text)]
 
@@ -53,7 +52,7 @@ def request(model: DerenderModel) -> TokenizedRequest:
             "request_id": "chatcmpl-bench",
         }
     )
-    return TokenizedRequest(OpenAIRequest(ApiKind.CHAT, body, orjson.dumps(body)), "chatcmpl-bench", [prompt])
+    return TokenizedRequest(OpenAIRequest(ApiKind.CHAT, body), "chatcmpl-bench", [prompt])
 
 
 def run(n_tokens: int) -> dict[str, float]:

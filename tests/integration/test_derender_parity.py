@@ -41,13 +41,15 @@ CASES = [
         "reasoning-content",
         "chat",
         "<think>\nthe robot thinks about 東京\n</think>\n\nhello 世界 🐉🚀" + EOS,
-        lambda c: (c["content"] or "").strip() == "hello 世界 🐉🚀" and "東京" in (c["reasoning"] or "")
+        lambda c: (c["content"] or "").strip() == "hello 世界 🐉🚀" and "東京" in (c["reasoning"] or ""),
     ),
     Scripted(
         "tool-call",
         "chat",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🗼"}}\n</tool_call>' + EOS,
-        lambda c: [t["arguments"] for t in c["tool_calls"]] == [{"city": "東京 🗼"}] and c["finish_reason"] == "tool_calls",
+        lambda c: (
+            [t["arguments"] for t in c["tool_calls"]] == [{"city": "東京 🗼"}] and c["finish_reason"] == "tool_calls"
+        ),
         {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
     ),
     Scripted("multibyte", "completions", MULTIBYTE, lambda c: c["text"] == MULTIBYTE, finish="length"),

@@ -79,7 +79,11 @@ def _generate_calls(gateway: SimGateway) -> list[Any]:
 
 
 def test_render_down_at_start_up_falls_back_to_the_local_tokenizer(bench: FaultBench) -> None:
-    gateway = bench.start(proxy_up=False, scheduler={"policy": "kv_cache_affinity"})
+    # The render breaker must stay open across both requests, the first of which loads the
+    # local tokenizer (seconds on a busy machine): a cool-down far longer than that.
+    gateway = bench.start(
+        proxy_up=False, scheduler={"policy": "kv_cache_affinity"}, render_config={"breaker_cooldown_s": 120.0}
+    )
     before = gateway.state()["tokenization"]
     assert before["local_tokenizer_loaded"] is False  # not loaded at start-up
 

@@ -149,7 +149,9 @@ async def test_admission_rejects_beyond_budget_and_releases_on_every_exit(
 
 
 def test_refused_instance_is_retried_then_broken_then_probed(gateways: Gateways) -> None:
-    breaker = {"failure_threshold": 2, "base_cooldown_s": 1.0, "max_cooldown_s": 4.0}
+    # The cool-down outlasts the three requests that must find the breaker open, however
+    # slow the machine (each takes well under a second); the probe loop waits it out.
+    breaker = {"failure_threshold": 2, "base_cooldown_s": 5.0, "max_cooldown_s": 10.0}
     gateway, servers = gateways.start(2, scheduler={"policy": "round_robin", "breaker": breaker})
     dead = gateway.sims[0]
     servers[0].stop()  # refuses connections from now on
@@ -180,7 +182,7 @@ def test_refused_instance_is_retried_then_broken_then_probed(gateways: Gateways)
     servers[0].restart()
     # After the cool-down (doubled if a probe already failed while it was down), one request
     # probes it; keep asking until it does.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not dead.generate_requests() and time.monotonic() < deadline:
         time.sleep(0.2)
         ask()

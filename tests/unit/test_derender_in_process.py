@@ -35,7 +35,7 @@ def _request(model: Any, api: ApiKind, body: dict[str, Any], params: dict[str, A
     body = {"model": "tiny", **body}
     prompt_ids = [int(t) for t in model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
     rendered = {"token_ids": prompt_ids, "sampling_params": params or {}, "request_id": "chatcmpl-t"}
-    return TokenizedRequest(OpenAIRequest(api, body, orjson.dumps(body)), "chatcmpl-t", [PromptTokens.rendered(rendered)])
+    return TokenizedRequest(OpenAIRequest(api, body), "chatcmpl-t", [PromptTokens.rendered(rendered)])
 
 
 def _ids(model: Any, text: str) -> list[int]:
@@ -45,8 +45,16 @@ def _ids(model: Any, text: str) -> list[int]:
 def _events(ids: list[int], finish: str = "stop", stop_reason: Any = None) -> list[dict[str, Any]]:
     last = len(ids) - 1
     return [
-        {"choices": [{"index": 0, "token_ids": [t], "finish_reason": finish if i == last else None,
-                      "stop_reason": stop_reason if i == last else None}]}
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [t],
+                    "finish_reason": finish if i == last else None,
+                    "stop_reason": stop_reason if i == last else None,
+                }
+            ]
+        }
         for i, t in enumerate(ids)
     ]
 
@@ -65,8 +73,12 @@ def _joined(chunks: list[Any], key: str) -> str:
 
 def test_reasoning_content_and_eos_split_like_native(model: Any) -> None:
     """The qwen3 parser sees only new ids; the EOS that ended generation is never shown."""
-    request = _request(model, ApiKind.CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True},
-                       {"skip_special_tokens": False})
+    request = _request(
+        model,
+        ApiKind.CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+        {"skip_special_tokens": False},
+    )
     ids = _ids(model, "<think>\nthe robot thinks 東京\n</think>\n\nhello 世界 🐉🚀" + EOS)
     chunks = _stream(model, request, _events(ids))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -77,8 +89,12 @@ def test_reasoning_content_and_eos_split_like_native(model: Any) -> None:
 
 
 def test_a_streamed_tool_call_ends_with_finish_reason_tool_calls(model: Any) -> None:
-    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "stream": True,
-            "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": TOOLS,
+        "stream": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🗼"}}\n</tool_call>'
     chunks = _stream(model, request, _events(_ids(model, call + EOS)))
@@ -115,7 +131,10 @@ def test_whole_response_equals_the_stream(model: Any) -> None:
 
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
     request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
-    ids = _ids(model, "<think>\nhmm\n</think>\n\n" + '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' + EOS)
+    ids = _ids(
+        model,
+        "<think>\nhmm\n</think>\n\n" + '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' + EOS,
+    )
     generate = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None}]}
     response = orjson.loads(derender_whole(model, request, generate))
     choice = response["choices"][0]

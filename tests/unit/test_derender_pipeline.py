@@ -41,7 +41,7 @@ class FakeDerender:
 
 def _session(fake: FakeDerender, has_parser: bool = False) -> SidecarStream:
     fake.prompt_ids_every_call = has_parser
-    request = OpenAIRequest(ApiKind.CHAT, BODY, orjson.dumps(BODY))
+    request = OpenAIRequest(ApiKind.CHAT, BODY)
     prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
     tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
     client: DerenderClient = fake  # type: ignore[assignment]
@@ -133,7 +133,10 @@ async def test_events_waiting_together_are_one_step_per_choice() -> None:
     pipeline = _pipeline(fake)
     finish = b'data: {"choices": [{"index": 0, "token_ids": [9], "finish_reason": "length"}]}\n\n'
     out = await pipeline.feed(_event(0, 5) + _event(0, 6) + _event(1, 7) + _event(0, 8) + finish + _event(0, 10))
-    steps = [[(c["index"], c["token_ids"], c.get("finish_reason")) for c in r["generate_chunk"]["choices"]] for r in fake.requests]
+    steps = [
+        [(c["index"], c["token_ids"], c.get("finish_reason")) for c in r["generate_chunk"]["choices"]]
+        for r in fake.requests
+    ]
     assert steps == [[(0, [5, 6], None)], [(1, [7], None)], [(0, [8, 9], "length")], [(0, [10], None)]]
     assert len(_events(out)) == 4
 
@@ -143,7 +146,10 @@ def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
 
     stop = _StopCut(["END!", "xyz"])
     assert stop.feed([("reasoning", "think "), ("content", "ab")], final=False) == [("reasoning", "think")]
-    assert stop.feed([("content", "cE")], final=False) == [("reasoning", " "), ("content", "a")]  # "bcE" may begin "END!"
+    assert stop.feed([("content", "cE")], final=False) == [
+        ("reasoning", " "),
+        ("content", "a"),
+    ]  # "bcE" may begin "END!"
     assert stop.feed([("content", "ND! more")], final=False) == [("content", "bc")]
     assert stop.feed([("content", "late")], final=True) == []  # nothing after a stop string
 

@@ -176,6 +176,16 @@ def test_scheduler_rejects_over_budget_with_429_and_frees_on_finish() -> None:
     assert scheduler.snapshot()["total_active_tokens"] == 0
 
 
+def test_admission_charges_every_choice_and_every_prompt_of_a_batch() -> None:
+    assert ScheduleRequest("r", [1] * 10, 7).demand == 17
+    assert ScheduleRequest("r", [1] * 10, 7, n=3).demand == 10 + 21
+    # the rest of a two-prompt batch: a 4-token prompt with n=3 × 7
+    assert ScheduleRequest("r", [1] * 10, 7, n=3, other_prompts_demand=4 + 21).demand == 56
+    scheduler = Scheduler([_pool(["a:1"])], LoadBalance(), ledger=TokenLedger(global_budget=40))
+    rejected = scheduler.schedule(ScheduleRequest("r1", [1] * 10, 7, n=5), 0.0)
+    assert isinstance(rejected, Rejection) and rejected.status == 429
+
+
 # -- circuit breaker --------------------------------------------------------------------
 
 
@@ -241,6 +251,19 @@ def test_all_breakers_open_is_503() -> None:
     scheduler.finish("r1", 0.0, failed=["a:1"])
     rejected = scheduler.schedule(ScheduleRequest("r2", [1], 1), 0.5)
     assert isinstance(rejected, Rejection) and rejected.status == 503
+
+
+def test_passthrough_takes_no_lease_no_probe_and_avoids_open_breakers() -> None:
+    config = BreakerConfig(failure_threshold=1, base_cooldown_s=10)
+    scheduler = Scheduler([_pool(["a:1", "b:2"])], RoundRobin(), breaker=config)
+    _decide(scheduler, "r1", [1])
+    scheduler.finish("r1", 0.0, failed=["a:1"])
+    assert scheduler.passthrough_hosts() == ("b:2",)
+    assert scheduler.ledger.active_leases == 0
+    # after the cool-down the probe is still there for inference to take
+    assert scheduler.passthrough_hosts() == ("b:2",)
+    probe = _decide(scheduler, "p", [1], now=11.0)
+    assert "a:1" in probe.hosts and snapshot_breaker(scheduler, "a:1") == "half_open"
 
 
 def snapshot_breaker(scheduler: Scheduler, address: str) -> str:

@@ -40,3 +40,22 @@ def test_completions_logprobs_ask_the_engine_for_one_more_candidate() -> None:
     prompt = PromptTokens.rendered({**RENDERED, "sampling_params": {"logprobs": 2}})
     assert orjson.loads(generate_body(prompt, 8, ApiKind.COMPLETIONS))["sampling_params"]["logprobs"] == 3
     assert orjson.loads(generate_body(prompt, 8, ApiKind.CHAT))["sampling_params"]["logprobs"] == 2
+
+
+def test_client_fields_that_steer_engines_never_reach_them() -> None:
+    """Render carries them through (priority, cache_salt, kv_transfer_params, vllm_xargs in
+    extra_args); the engine body is built from what generate needs only."""
+    rendered = {
+        **RENDERED,
+        "sampling_params": {"max_tokens": 4, "extra_args": {"x": 1, "kv_transfer_params": {"do_remote_prefill": True}}},
+        "priority": -5,
+        "cache_salt": "salt",
+        "kv_transfer_params": {"remote_host": "10.0.0.9"},
+        "ec_transfer_params": {"a": 1},
+        "token_offsets": [[0, 1]],
+        "reasoning_ended": False,
+    }
+    body = orjson.loads(generate_body(PromptTokens.rendered(rendered), 4, ApiKind.CHAT))
+    assert not {"priority", "cache_salt", "kv_transfer_params", "ec_transfer_params", "token_offsets"} & set(body)
+    assert body["sampling_params"] == {"max_tokens": 4}
+    assert body["reasoning_ended"] is False and body["stream"] is True
