@@ -59,7 +59,7 @@ class DerenderModel:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         cls = ChatCompletionRequest if request.api is ApiKind.CHAT else CompletionRequest
-        return cls.model_validate(request.request.derender_body())
+        return cls.model_validate(request.request.body)
 
     def parser(self, client: Any) -> Any:
         if self.parser_cls is None:

@@ -75,7 +75,7 @@ def _static_fields(client: DerenderClient, request: TokenizedRequest) -> bytes:
         + b',"'
         + request.api.client_request_key.encode()
         + b'":'
-        + orjson.dumps(request.request.derender_body())
+        + orjson.dumps(request.request.body)
     )
 
 

@@ -71,19 +71,12 @@ class OpenAIRequest:
 
     def engine_body(self) -> dict[str, Any]:
         """The body an engine's own OpenAI endpoint gets (native path), and all the gateway
-        keeps of the request once it is routed: no steering fields, no metadata."""
+        keeps of the request once it is routed, for derender: no steering fields, no
+        metadata. `messages` stay whole: tool parsers number call ids by the history."""
         return {k: v for k, v in self.body.items() if k not in NOT_FOR_ENGINES}
 
     def kept(self) -> OpenAIRequest:
         return OpenAIRequest(self.api, self.engine_body())
-
-    def derender_body(self) -> dict[str, Any]:
-        """What derender reads of the client request: chat keeps only the last message
-        (echo), everything the output depends on (tools, n, logprobs, stop, ...) stays."""
-        body = self.engine_body()
-        if self.api is ApiKind.CHAT and isinstance(body.get("messages"), list):
-            body["messages"] = body["messages"][-1:]
-        return body
 
 
 @dataclass
