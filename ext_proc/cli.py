@@ -19,7 +19,7 @@ def _processor(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from ext_proc.envoy_config import render_bootstrap
+    from ext_proc.envoy_protocol.bootstrap import render_bootstrap
 
     text = render_bootstrap(load_config(args.config))
     if args.out:
@@ -30,13 +30,13 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ext_proc.local_stack import run_up
+    from ext_proc.tools.local_stack import run_up
 
     return run_up(load_config(args.config))
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from ext_proc.tiny_model import ensure_tiny_model
+    from ext_proc.tools.tiny_model import ensure_tiny_model
 
     print(ensure_tiny_model(Path(args.cache_dir or load_config(args.config).local.cache_dir).expanduser()))
     return 0
@@ -45,8 +45,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
 # Operator tools with flags of their own: `tito bench …` and `tito conformance …` hand the
 # rest of the command line to them.
 TOOLS = {
-    "bench": ("ext_proc.bench", "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios"),
-    "conformance": ("ext_proc.conformance", "gateway vs native OpenAI answers, field by field, one line per case"),
+    "bench": ("ext_proc.tools.bench", "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios"),
+    "conformance": ("ext_proc.tools.conformance", "gateway vs native OpenAI answers, field by field, one line per case"),
 }
 
 

@@ -14,12 +14,12 @@ import httpx
 from ext_proc.admin import start_admin
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
-from ext_proc.derender import build_derenderer
-from ext_proc.derender_sidecar import DerenderClient
-from ext_proc.exchange import Exchange, Services
-from ext_proc.http_client import CountingTransport, http_client
-from ext_proc.render import RenderClient
-from ext_proc.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.derender.pipeline import build_derenderer
+from ext_proc.derender.sidecar import DerenderClient
+from ext_proc.envoy_protocol.exchange import Exchange, Services
+from ext_proc.frontend.render import RenderClient
+from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.legs.http_client import CountingTransport, http_client
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from scheduler import (
     AffinityWeights,

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from ext_proc.config import Endpoint, ListenerConfig, PoolConfig, ProcessorConfig, RenderConfig, TitoConfig
-from ext_proc.local_stack import LocalStack
-from ext_proc.tiny_model import ensure_tiny_model
+from ext_proc.tools.local_stack import LocalStack
+from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer
 
 CI = os.environ.get("CI") == "true"

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from ext_proc.config import ModelConfig
-from ext_proc.derender_in_process import ChatStream, DerenderModel
+from ext_proc.derender.in_process import ChatStream, DerenderModel
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from ext_proc.tiny_model import ensure_tiny_model
+from ext_proc.tools.tiny_model import ensure_tiny_model
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 SENTENCE = "the little robot walks to 東京 and says こんにちは 🐉🚀 to everyone it meets, "

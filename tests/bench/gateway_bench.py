@@ -23,10 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ext_proc.bench import BenchOptions, BenchReport, format_report, run_bench
 from ext_proc.config import TitoConfig
-from ext_proc.local_stack import LocalStack
-from ext_proc.tiny_model import ensure_tiny_model
+from ext_proc.tools.bench import BenchOptions, BenchReport, format_report, run_bench
+from ext_proc.tools.local_stack import LocalStack
+from ext_proc.tools.tiny_model import ensure_tiny_model
 
 PARSERS: dict[str, Any] = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 

@@ -30,10 +30,10 @@ from typing import Any
 import httpx
 import orjson
 
-from ext_proc.bench import WEATHER_TOOL, SseEvents, json_safe
 from ext_proc.config import TitoConfig
-from ext_proc.local_stack import LocalStack, ManagedProcess
-from ext_proc.tiny_model import ensure_tiny_model
+from ext_proc.tools.bench import WEATHER_TOOL, SseEvents, json_safe
+from ext_proc.tools.local_stack import LocalStack, ManagedProcess
+from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command
 from tests.bench.gateway_bench import PARSERS, free_port, machine_summary
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ext_proc.conformance import (
+from ext_proc.tools.conformance import (
     CASES,
     SPECS,
     Answer,

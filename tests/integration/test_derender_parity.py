@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from ext_proc.config import Endpoint
-from ext_proc.conformance import Answer, Api, differences, normalize_full, normalize_stream
-from ext_proc.local_stack import LocalStack
+from ext_proc.tools.conformance import Answer, Api, differences, normalize_full, normalize_stream
+from ext_proc.tools.local_stack import LocalStack
 from tests.conftest import RunningStack, start_gateway
 from tests.engine_sim import EngineSim, SimServer
 

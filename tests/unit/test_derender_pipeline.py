@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.derender import StreamDerender
-from ext_proc.derender_sidecar import DerenderClient, SidecarStream
+from ext_proc.derender.pipeline import StreamDerender
+from ext_proc.derender.sidecar import DerenderClient, SidecarStream
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 
@@ -142,7 +142,7 @@ async def test_events_waiting_together_are_one_step_per_choice() -> None:
 
 
 def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
-    from ext_proc.derender_sidecar import _StopCut
+    from ext_proc.derender.sidecar import _StopCut
 
     stop = _StopCut(["END!", "xyz"])
     assert stop.feed([("reasoning", "think "), ("content", "ab")], final=False) == [("reasoning", "think")]
@@ -155,7 +155,7 @@ def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
 
 
 def test_sidecar_text_held_back_is_flushed_at_the_finish() -> None:
-    from ext_proc.derender_sidecar import _StopCut
+    from ext_proc.derender.sidecar import _StopCut
 
     stop = _StopCut(["END!"])
     assert stop.feed([("text", "hello E")], final=False) == [("text", "hell")]

@@ -13,8 +13,8 @@ import pytest
 
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
-from ext_proc.exchange import Exchange, Services
-from ext_proc.http_client import CountingTransport
+from ext_proc.envoy_protocol.exchange import Exchange, Services
+from ext_proc.legs.http_client import CountingTransport
 from ext_proc.server import build_scheduler
 from protos.stubs import core_pb, ext_proc_pb
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ext_proc.streaming import SSEFramer
+from ext_proc.derender.streaming import SSEFramer
 
 STREAM = b'data: {"a":1}\n\ndata:{"b":2}\r\n\r\n: comment\n\ndata: [DONE]\n\n'
 

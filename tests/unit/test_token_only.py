@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import orjson
 
+from ext_proc.frontend.token_only import generate_body, requested_max_tokens
 from ext_proc.protocol import ApiKind, PromptTokens
-from ext_proc.token_only import generate_body, requested_max_tokens
 
 RENDERED = {
     "request_id": "chatcmpl-1",

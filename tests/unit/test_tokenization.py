@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.tokenization import LocalTokenizer
 from ext_proc.protocol import ApiKind, OpenAIRequest
-from ext_proc.tokenization import LocalTokenizer
 from tests.conftest import missing
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
     try:
-        from ext_proc.tiny_model import ensure_tiny_model
+        from ext_proc.tools.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))
     except ImportError:

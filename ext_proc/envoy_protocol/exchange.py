@@ -24,8 +24,9 @@ import httpx
 
 from ext_proc.byte_budget import ByteBudget, StreamBytes
 from ext_proc.config import TitoConfig
-from ext_proc.derender import Derenderer, StreamDerender
-from ext_proc.envoy_messages import (
+from ext_proc.derender.pipeline import Derenderer, StreamDerender
+from ext_proc.derender.streaming import DONE_EVENT, sse_event
+from ext_proc.envoy_protocol.messages import (
     ATTEMPT_COUNT_HEADER,
     DESTINATION_KEY,
     HIDDEN_RESPONSE_HEADERS,
@@ -44,15 +45,14 @@ from ext_proc.envoy_messages import (
     unforwarded_headers,
 )
 from ext_proc.errors import GatewayError, error_body, normalize_error_body
-from ext_proc.http_client import CountingTransport
+from ext_proc.frontend.openai_api import parse_request, requested_completion_tokens
+from ext_proc.frontend.token_only import generate_body, requested_max_tokens
+from ext_proc.frontend.tokenization import TokenizationService
+from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.native import native_body, replay_native, token_only_unsupported
 from ext_proc.loop_lag import LoopLag
 from ext_proc.model_files import vocab_size
-from ext_proc.native import native_body, replay_native, token_only_unsupported
-from ext_proc.openai_api import parse_request, requested_completion_tokens
 from ext_proc.protocol import GENERATE_PATH, ApiKind, PromptTokens, TokenizedRequest
-from ext_proc.streaming import DONE_EVENT, sse_event
-from ext_proc.token_only import generate_body, requested_max_tokens
-from ext_proc.tokenization import TokenizationService
 from protos.stubs import ext_proc_pb
 from scheduler import ContextOverflow, Decision, Rejection, Scheduler, ScheduleRequest, clamp_max_tokens
 

@@ -21,9 +21,9 @@ from typing import Any
 import orjson
 
 from ext_proc.config import ModelConfig
-from ext_proc.derender_logprobs import LogprobDecoder, chat_logprobs, completion_logprobs
+from ext_proc.derender.logprobs import LogprobDecoder, chat_logprobs, completion_logprobs
+from ext_proc.derender.streaming import sse_event
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
-from ext_proc.streaming import sse_event
 
 log = logging.getLogger("tito.derender")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 
 from ext_proc.config import TitoConfig
-from ext_proc.envoy_config import write_bootstrap
-from ext_proc.tiny_model import ensure_tiny_model
+from ext_proc.envoy_protocol.bootstrap import write_bootstrap
+from ext_proc.tools.tiny_model import ensure_tiny_model
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
 

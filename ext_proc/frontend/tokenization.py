@@ -16,8 +16,8 @@ from collections import Counter
 from typing import Any
 
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.render import RenderClient, RenderRejected, RenderUnavailable
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from ext_proc.render import RenderClient, RenderRejected, RenderUnavailable
 from scheduler import CircuitBreaker
 
 log = logging.getLogger("tito.tokenization")

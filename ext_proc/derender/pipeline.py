@@ -19,12 +19,12 @@ from typing import Any, Protocol
 import orjson
 
 from ext_proc.config import TitoConfig
-from ext_proc.derender_in_process import DerenderModel, derender_whole, stream_session
-from ext_proc.derender_sidecar import DerenderClient, SidecarDerender
+from ext_proc.derender.in_process import DerenderModel, derender_whole, stream_session
+from ext_proc.derender.sidecar import DerenderClient, SidecarDerender
+from ext_proc.derender.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError, error_payload
+from ext_proc.frontend.token_only import generate_response
 from ext_proc.protocol import TokenizedRequest
-from ext_proc.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
-from ext_proc.token_only import generate_response
 
 log = logging.getLogger("tito.derender")
 

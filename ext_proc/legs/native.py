@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import orjson
 
-from ext_proc.envoy_messages import HIDDEN_RESPONSE_HEADERS, JSON, response_body_reply, response_headers_reply
+from ext_proc.envoy_protocol.messages import HIDDEN_RESPONSE_HEADERS, JSON, response_body_reply, response_headers_reply
 from ext_proc.errors import error_body
 from ext_proc.protocol import NOT_FOR_ENGINES, OpenAIRequest
 from protos.stubs import ext_proc_pb

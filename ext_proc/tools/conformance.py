@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
-from ext_proc.tiny_model import SPECIAL_TOKENS
+from ext_proc.tools.tiny_model import SPECIAL_TOKENS
 
 Api = Literal["chat", "completions"]
 Status = Literal["PASS", "FAIL", "BROKEN CASE"]

@@ -8,7 +8,7 @@ import jinja2
 
 from ext_proc.config import TitoConfig
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "envoy"
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "envoy"
 TEMPLATE = "envoy.yaml.j2"
 
 

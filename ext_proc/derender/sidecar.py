@@ -16,12 +16,12 @@ import httpx
 import orjson
 
 from ext_proc.config import RenderConfig
-from ext_proc.derender_in_process import ChatStream, DerenderModel, derender_whole
-from ext_proc.derender_logprobs import chat_logprobs, trim_completion_candidates
+from ext_proc.derender.in_process import ChatStream, DerenderModel, derender_whole
+from ext_proc.derender.logprobs import chat_logprobs, trim_completion_candidates
+from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.token_only import generate_response
 from ext_proc.protocol import ApiKind, TokenizedRequest
-from ext_proc.streaming import sse_event
-from ext_proc.token_only import generate_response
 
 
 class DerenderClient:
