@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from ext_proc.envoy_protocol.exchange import Services
+from ext_proc.services import Services
 
 
 def state(services: Services) -> dict[str, Any]:

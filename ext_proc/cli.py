@@ -46,7 +46,10 @@ def _tiny_model(args: argparse.Namespace) -> int:
 # rest of the command line to them.
 TOOLS = {
     "bench": ("ext_proc.tools.bench", "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios"),
-    "conformance": ("ext_proc.tools.conformance", "gateway vs native OpenAI answers, field by field, one line per case"),
+    "conformance": (
+        "ext_proc.tools.conformance",
+        "gateway vs native OpenAI answers, field by field, one line per case",
+    ),
 }
 
 

@@ -143,15 +143,32 @@ class ModelConfig(_Strict):
         return bool(self.reasoning_parser or self.tool_call_parser)
 
 
+class InstanceConfig(Endpoint):
+    """One engine. `capabilities` (decode instances): `prefill_handoff_decode` (Handoff: the
+    gateway prefills first), `concurrent_engine_sync` (Trigger: the engine calls back for
+    prefill), `decode_colocation` (may also serve a request alone)."""
+
+    capabilities: list[Literal["prefill_handoff_decode", "concurrent_engine_sync", "decode_colocation"]] = Field(
+        default_factory=list
+    )
+
+
 class PoolConfig(_Strict):
     name: str = "union"
     role: Literal["union", "prefill", "decode"] = "union"
-    instances: list[Endpoint] = Field(default_factory=lambda: [Endpoint(port=8200)])
-    max_requests_per_instance: int = 1024  # Envoy's circuit breaker for the pool's cluster
+    instances: list[InstanceConfig] = Field(default_factory=lambda: [InstanceConfig(port=8200)])
+    max_requests_per_instance: int = 1024  # Envoy's circuit breaker for these engines
+    block_size: int = 16  # the engines' KV block size (vLLM's GPU default; CPU engines use 128)
+    # How KV moves from prefill to decode: `example` (a shared folder: prefill returns no
+    # params, decode finds the KV by prompt), `nixl` (prefill returns pull params decode needs).
+    kv_connector: Literal["none", "example", "nixl"] = "none"
 
-    @property
-    def cluster_name(self) -> str:
-        return f"pool_{self.name}"
+    @model_validator(mode="after")
+    def _one_decode_mode(self) -> PoolConfig:
+        modes = {c for i in self.instances for c in i.capabilities if c != "decode_colocation"}
+        if len(modes) > 1:
+            raise ValueError(f"pool {self.name}: Handoff and Trigger instances cannot be mixed in one decode pool")
+        return self
 
 
 class BreakerSettings(_Strict):
@@ -203,12 +220,16 @@ class TitoConfig(_Strict):
     local: LocalStackConfig = LocalStackConfig()
 
     @model_validator(mode="after")
-    def _one_union_pool(self) -> TitoConfig:
-        if [p.role for p in self.pools] != ["union"]:
-            raise ValueError("exactly one pool with role 'union' is supported for now")
-        if not self.pools[0].instances:
-            raise ValueError("the union pool needs at least one instance")
+    def _pools_by_role(self) -> TitoConfig:
+        roles = [p.role for p in self.pools]
+        if len(set(roles)) != len(roles) or any(not p.instances for p in self.pools):
+            raise ValueError("pools: at most one per role, each with at least one instance")
+        if "union" not in roles and not {"prefill", "decode"} <= set(roles):
+            raise ValueError("pools: a union pool, or a prefill and a decode pool")
         return self
+
+    def pool(self, role: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.role == role), None)
 
     @property
     def inflight_bytes(self) -> int:

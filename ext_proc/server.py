@@ -13,20 +13,23 @@ import httpx
 
 from ext_proc.admin import start_admin
 from ext_proc.byte_budget import ByteBudget
-from ext_proc.config import TitoConfig
+from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.sidecar import DerenderClient
-from ext_proc.envoy_protocol.exchange import Exchange, Services
+from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
+from ext_proc.planning.planner import Planner
+from ext_proc.services import Services
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from scheduler import (
     AffinityWeights,
     BreakerConfig,
+    Capability,
     CircuitBreaker,
+    Instance,
     Pool,
-    PrefixIndex,
     Role,
     Scheduler,
     TokenLedger,
@@ -46,33 +49,41 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc_pb.ProcessingResponse]:
         exchange = Exchange(self._services)
+        exchange.start(request_iterator)
         try:
-            async for message in request_iterator:
-                async for reply in exchange.on_message(message):
-                    yield reply
+            while (reply := await exchange.outbox.get()) is not None:
+                yield reply
         except asyncio.CancelledError:
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)
             raise
-        except Exception:
-            # A bug, not a request error: Envoy fails this stream closed (503).
-            log.exception("stream failed in mode %s", exchange.mode.value)
-            raise
         finally:
-            exchange.close()
+            await exchange.aclose()
 
 
 def build_scheduler(config: TitoConfig) -> Scheduler:
     s = config.scheduler
     weights = AffinityWeights(s.prefill_load_scale, s.overlap_credit, s.load_weight, s.hit_rate_threshold)
     return Scheduler(
-        pools=[Pool.of(p.name, Role(p.role), [i.address for i in p.instances]) for p in config.pools],
+        pools=[_pool(p) for p in config.pools],
         policy=make_policy(s.policy, weights),
         ledger=TokenLedger(config.admission.global_token_budget, config.admission.instance_token_budget),
         breaker=BreakerConfig(s.breaker.failure_threshold, s.breaker.base_cooldown_s, s.breaker.max_cooldown_s),
-        prefix_index=PrefixIndex(s.block_size, s.prefix_index_max_blocks),
         max_fallbacks=s.max_fallbacks,
+        prefix_index_max_blocks=s.prefix_index_max_blocks,
     )
+
+
+def _pool(config: PoolConfig) -> Pool:
+    role = Role(config.role)
+    # A decode instance that declares nothing does Handoff (the default P/D mode).
+    default = {Capability.HANDOFF} if role is Role.DECODE else set()
+
+    def instance(i: InstanceConfig) -> Instance:
+        capabilities = frozenset(Capability(c) for c in i.capabilities) or frozenset(default)
+        return Instance(i.address, config.name, role, capabilities)
+
+    return Pool(config.name, role, tuple(instance(i) for i in config.instances), config.block_size)
 
 
 def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport) -> Services:
@@ -83,13 +94,14 @@ def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: Countin
         CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
         LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
     )
+    scheduler = build_scheduler(config)
     return Services(
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
             config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)
         ),
-        scheduler=build_scheduler(config),
+        planner=Planner(config, tokenization, scheduler),
         http=http,
         http_streams=streams,
         inflight=ByteBudget(config.inflight_bytes),

@@ -2,8 +2,8 @@
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.context_budget import ContextOverflow, clamp_max_tokens
-from scheduler.dispatch import Decision, Rejection, Scheduler, ScheduleRequest
-from scheduler.instances import Instance, Pool, Role
+from scheduler.dispatch import Decision, Pick, Rejection, Scheduler, ScheduleRequest
+from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.ledger import Lease, TokenLedger
 from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, LoadBalance, Policy, RoundRobin, make_policy
 from scheduler.prefix_index import PrefixIndex, block_hashes
@@ -13,6 +13,7 @@ __all__ = [
     "BreakerConfig",
     "BreakerState",
     "Candidate",
+    "Capability",
     "CircuitBreaker",
     "ContextOverflow",
     "Decision",
@@ -20,6 +21,7 @@ __all__ = [
     "KvCacheAffinity",
     "Lease",
     "LoadBalance",
+    "Pick",
     "Policy",
     "Pool",
     "PrefixIndex",

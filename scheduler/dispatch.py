@@ -1,4 +1,10 @@
-"""From a rendered request to a dispatch decision: breakers, admission, policy, prefix index."""
+"""From a rendered request to dispatch decisions: breakers, admission, policy, prefix index.
+
+Two steps per engine leg: `pick` chooses an instance of a pool (by role) and changes
+nothing; `commit` takes the leg's lease in the ledger, claims a half-open probe and records
+the prefix. A request with several legs (prefill then decode) picks every leg first, so a
+leg that cannot be placed leaves nothing behind.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from scheduler.instances import Instance, Pool, Role
+from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.ledger import TokenLedger
 from scheduler.policies import Candidate, Policy
 from scheduler.prefix_index import PrefixIndex
@@ -22,15 +28,37 @@ class ScheduleRequest:
     max_tokens: int
     n: int = 1  # choices: each may generate max_tokens
     other_prompts_demand: int = 0  # the rest of a multi-prompt batch (its prompts + n × max_tokens each)
+    # False for a decode leg: the prompt's tokens are charged to the prefill instance
+    charge_prompt: bool = True
 
     @property
     def demand(self) -> int:
         """What admission charges: the prompt plus every token the engine may generate."""
-        return len(self.prompt_token_ids) + self.n * self.max_tokens + self.other_prompts_demand
+        prompt = len(self.prompt_token_ids) if self.charge_prompt else 0
+        return prompt + self.n * self.max_tokens + self.other_prompts_demand
+
+
+@dataclass(frozen=True)
+class Pick:
+    """An instance chosen for one leg (and the fallbacks Envoy may retry on): nothing taken yet."""
+
+    request: ScheduleRequest
+    role: Role
+    instance: Instance
+    fallbacks: tuple[Instance, ...] = ()
+    matched_tokens: int = 0
+    hashes: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The override_host list for Envoy: chosen instance first, then retry targets."""
+        return (self.instance.address, *(f.address for f in self.fallbacks))
 
 
 @dataclass(frozen=True)
 class Decision:
+    """A committed leg: `request_id` names its lease."""
+
     request_id: str
     instance: Instance
     fallbacks: tuple[Instance, ...] = field(default=())
@@ -38,7 +66,6 @@ class Decision:
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        """The override_host list for Envoy: chosen instance first, then retry targets."""
         return (self.instance.address, *(f.address for f in self.fallbacks))
 
 
@@ -57,19 +84,34 @@ class Scheduler:
         breaker: BreakerConfig | None = None,
         prefix_index: PrefixIndex | None = None,
         max_fallbacks: int = 2,
+        prefix_index_max_blocks: int = 1 << 20,
     ) -> None:
-        unions = [p for p in pools if p.role is Role.UNION and p.instances]
-        if not unions:
-            raise ValueError("a union pool with at least one instance is required")
-        self.pool = unions[0]
+        self.pools = {p.role: p for p in pools if p.instances}
+        if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
+            raise ValueError("a union pool, or a prefill and a decode pool, with at least one instance each")
         self.policy = policy
         self.ledger = ledger or TokenLedger()
-        self.prefix_index = prefix_index or PrefixIndex()
+        # One prefix index per pool that prefills (union, prefill), in its engines' block size.
+        self.prefix_indexes: dict[Role, PrefixIndex] = {
+            role: prefix_index or PrefixIndex(pool.block_size, prefix_index_max_blocks)
+            for role, pool in self.pools.items()
+            if role is not Role.DECODE
+        }
         self.max_fallbacks = max_fallbacks
         breaker = breaker or BreakerConfig()
-        self.breakers = {i.address: CircuitBreaker(breaker) for i in self.pool.instances}
+        self.instances = [i for p in self.pools.values() for i in p.instances]
+        self.breakers = {i.address: CircuitBreaker(breaker) for i in self.instances}
         # Engines that answered 404/501 to token-only generate: they get native requests only.
         self.token_only_unsupported: set[str] = set()
+
+    @property
+    def pool(self) -> Pool:
+        """The pool that serves requests alone (union), else the decode pool."""
+        return self.pools.get(Role.UNION) or self.pools[Role.DECODE]
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        return self.prefix_indexes.get(Role.UNION) or self.prefix_indexes[Role.PREFILL]
 
     def mark_token_only_unsupported(self, address: str) -> None:
         if address in self.breakers:
@@ -78,19 +120,35 @@ class Scheduler:
     def supports_token_only(self, address: str) -> bool:
         return address not in self.token_only_unsupported
 
-    def schedule(self, request: ScheduleRequest, now: float) -> Decision | Rejection:
-        healthy = [(n, i) for n, i in enumerate(self.pool.instances) if self.breakers[i.address].allows(now)]
+    def pick(
+        self,
+        request: ScheduleRequest,
+        now: float,
+        role: Role = Role.UNION,
+        exclude: Iterable[str] = (),
+        needs: Capability | None = None,
+    ) -> Pick | Rejection:
+        """The best instance of the role's pool for this leg, or why there is none."""
+        pool = self.pools.get(role)
+        skip = set(exclude)
+        usable = [
+            (n, i)
+            for n, i in enumerate(pool.instances if pool else ())
+            if i.address not in skip and (needs is None or needs in i.capabilities)
+        ]
+        healthy = [(n, i) for n, i in usable if self.breakers[i.address].allows(now)]
         if not healthy:
-            return Rejection(503, "no healthy engine instance (all circuit breakers open)")
+            return Rejection(503, f"no healthy {role.value} engine instance (all circuit breakers open)")
         demand = request.demand
         if not self.ledger.global_room(demand):
             return Rejection(429, f"gateway token budget exhausted ({demand} tokens requested)")
         roomy = [(n, i) for n, i in healthy if self.ledger.instance_room(i.address, demand)]
         if not roomy:
             return Rejection(429, f"every engine instance is at its token budget ({demand} tokens requested)")
-        hashes = self.prefix_index.hashes(request.prompt_token_ids) if self.policy.uses_prefix else []
-        matched = self.prefix_index.match(hashes) if hashes else {}
-        block = self.prefix_index.block_size
+        index = self.prefix_indexes.get(role) if self.policy.uses_prefix else None
+        hashes = index.hashes(request.prompt_token_ids) if index is not None else []
+        matched = index.match(hashes) if index is not None and hashes else {}
+        block = index.block_size if index is not None else 0
         candidates = [
             Candidate(
                 instance=i,
@@ -103,25 +161,38 @@ class Scheduler:
         ]
         ranked = self.policy.rank(candidates, len(request.prompt_token_ids))
         chosen = ranked[0]
-        self.ledger.acquire(request.request_id, chosen.instance.address, demand)
-        self.breakers[chosen.instance.address].on_dispatch()
-        if hashes:
-            self.prefix_index.record(hashes, chosen.instance.address)
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
-        return Decision(request.request_id, chosen.instance, fallbacks, chosen.matched_tokens)
+        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes))
+
+    def commit(self, pick: Pick) -> Decision:
+        """Take the leg's lease (keyed by its request id), claim a half-open probe, and
+        remember where the prompt's blocks now live."""
+        address = pick.instance.address
+        self.ledger.acquire(pick.request.request_id, address, pick.request.demand)
+        self.breakers[address].on_dispatch()
+        index = self.prefix_indexes.get(pick.role)
+        if pick.hashes and index is not None:
+            index.record(pick.hashes, address)
+        return Decision(pick.request.request_id, pick.instance, pick.fallbacks, pick.matched_tokens)
+
+    def schedule(self, request: ScheduleRequest, now: float, role: Role = Role.UNION) -> Decision | Rejection:
+        """One leg, picked and committed."""
+        picked = self.pick(request, now, role)
+        return picked if isinstance(picked, Rejection) else self.commit(picked)
 
     def passthrough_hosts(self) -> tuple[str, ...]:
         """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
         breaker, least busy first, else any. It takes no lease and no half-open probe, and its
         outcome is never breaker input."""
-        closed = [i for i in self.pool.instances if self.breakers[i.address].state is BreakerState.CLOSED]
-        ranked = sorted(closed or self.pool.instances, key=lambda i: self.ledger.active_requests(i.address))
+        instances = self.pool.instances
+        closed = [i for i in instances if self.breakers[i.address].state is BreakerState.CLOSED]
+        ranked = sorted(closed or instances, key=lambda i: self.ledger.active_requests(i.address))
         return tuple(i.address for i in ranked)
 
     def finish(self, request_id: str, now: float, failed: Iterable[str] = (), served_by: str | None = None) -> None:
-        """Release the request's tokens and tell the breakers what the engines did.
+        """Release a leg's tokens and tell the breakers what the engines did.
 
-        `failed`: instances that failed this request (refused, reset, 5xx); `served_by`: the
+        `failed`: instances that failed this leg (refused, reset, 5xx); `served_by`: the
         instance that answered. Neither: no engine verdict (e.g. the client left first).
         """
         lease = self.ledger.release(request_id)
@@ -141,15 +212,16 @@ class Scheduler:
             "policy": type(self.policy).__name__,
             "total_active_tokens": self.ledger.total_tokens,
             "active_requests": self.ledger.active_leases,
-            "prefix_index_blocks": len(self.prefix_index),
+            "prefix_index_blocks": sum(len(index) for index in set(self.prefix_indexes.values())),
             "instances": {
                 i.address: {
+                    "role": i.role.value,
                     "active_tokens": self.ledger.active_tokens(i.address),
                     "active_requests": self.ledger.active_requests(i.address),
                     "breaker": self.breakers[i.address].state.value,
                     "consecutive_failures": self.breakers[i.address].failures,
                     "token_only": self.supports_token_only(i.address),
                 }
-                for i in self.pool.instances
+                for i in self.instances
             },
         }

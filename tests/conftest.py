@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from ext_proc.config import Endpoint, ListenerConfig, PoolConfig, ProcessorConfig, RenderConfig, TitoConfig
+from ext_proc.config import Endpoint, ListenerConfig, ProcessorConfig, RenderConfig, TitoConfig
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer
@@ -76,7 +76,7 @@ def gateway_config(
         "processor": ProcessorConfig(port=free_port(), admin_port=free_port()).model_dump(),
         "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
         "model": {"path": model_path},
-        "pools": [PoolConfig(instances=engines).model_dump()],
+        "pools": [{"name": "union", "role": "union", "instances": [e.model_dump() for e in engines]}],
         "local": {"cache_dir": str(cache_dir)},
     }
     for key, value in sections.items():

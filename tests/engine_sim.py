@@ -5,7 +5,9 @@ well under a second, and a record of every request it received. It speaks the wi
 of vLLM 0.32 `--enable-scale-out` (shared/docs/vllm-scale-out-protocol.md §4): non-stream
 `GenerateTokensResponse`, SSE `GenerateStreamResponse` chunks with one choice each, a
 finish chunk with `weight_versions`, the `choices: []` usage chunk, `data: [DONE]`, and
-`generate-tokens-<X-Request-Id>` ids.
+`generate-tokens-<X-Request-Id>` ids. Prefill/decode: a generate whose `kv_transfer_params`
+say `do_remote_decode` is a Handoff prefill leg (one token, and NIXL-style pull params in
+the answer); the decode leg's params are recorded like everything else.
 
 Run one as a process: `python -m tests.engine_sim --port 8300`.
 """
@@ -94,6 +96,19 @@ class EngineSim:
         seed = sum(prompt_ids) + len(prompt_ids)
         return [FIRST_ID + (seed + 7 * i) % (VOCAB - FIRST_ID) for i in range(n)]
 
+    def prefill_params(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+        """What a NIXL prefill engine returns: where decode pulls the prompt's KV from."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"sim-{self.port}",
+            "remote_request_id": request_id,
+            "remote_block_ids": [list(range((len(prompt) + 15) // 16))],
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_num_tokens": len(prompt),
+        }
+
     def _take_fault(self) -> Fault | None:
         fault = self.fault
         if fault is None:
@@ -136,6 +151,12 @@ class EngineSim:
             "total_tokens": len(body["token_ids"]) + len(tokens),
             "completion_tokens": len(tokens),
         }
+        kv_params = body.get("kv_transfer_params") or {}
+        if kv_params.get("do_remote_decode"):  # a Handoff prefill leg: one token, KV kept for decode
+            tokens, finish = tokens[:1], "length"
+            kv_params = self.prefill_params(request_id, body["token_ids"])
+        else:
+            kv_params = None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             events = self._stream(request_id, tokens, usage, include_usage, fault, (finish, stop_reason, top_k))
@@ -153,7 +174,7 @@ class EngineSim:
                 "prompt_token_ids": None,
                 "mm_placeholders": None,
                 "metrics": None,
-                "kv_transfer_params": None,
+                "kv_transfer_params": kv_params,
                 "ec_transfer_params": None,
                 "output_mode": "tokens",
                 **({"padding": "x" * self.pad_bytes} if self.pad_bytes else {}),

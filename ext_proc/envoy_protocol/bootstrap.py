@@ -23,8 +23,8 @@ def render_bootstrap(config: TitoConfig) -> str:
     return env.get_template(TEMPLATE).render(
         listener=config.listener,
         processor=config.processor,
-        pools=config.pools,
-        pool=config.pools[0],
+        instances=[i for p in config.pools for i in p.instances],
+        engine_requests=sum(p.max_requests_per_instance * len(p.instances) for p in config.pools),
         retries=config.scheduler.max_fallbacks,
         retry_budget_percent=config.scheduler.retry_budget_percent,
     )

@@ -6,6 +6,11 @@ from collections.abc import Iterable
 
 from google.protobuf import struct_pb2
 
+from ext_proc.envoy_protocol.verdicts import ATTEMPT_COUNT_HEADER, UPSTREAM_HOST_HEADER
+from ext_proc.legs.responses import Chunk, Head, Out
+from ext_proc.planning.plan import Native, TokenOnly
+from ext_proc.planning.planner import routed_body
+from ext_proc.protocol import GENERATE_PATH
 from protos.stubs import core_pb, ext_proc_pb, type_pb
 
 LB_NAMESPACE = "envoy.lb"
@@ -14,10 +19,6 @@ LB_NAMESPACE = "envoy.lb"
 ANSWERED_NAMESPACE = "tito"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
 JSON = "application/json"
-# Added by Envoy to upstream responses (see envoy/envoy.yaml.j2); read by the processor,
-# never shown to clients.
-UPSTREAM_HOST_HEADER = "x-tito-upstream-host"
-ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 HIDDEN_RESPONSE_HEADERS = (
     "content-length",
     UPSTREAM_HOST_HEADER,
@@ -167,3 +168,34 @@ def immediate_response(status: int, body: bytes) -> ext_proc_pb.ProcessingRespon
     metadata.update({ANSWERED_NAMESPACE: {"answered": True}})
     response.dynamic_metadata.CopyFrom(metadata)
     return response
+
+
+def response_reply(out: Out) -> ext_proc_pb.ProcessingResponse:
+    """A response handler's output as the message Envoy expects at this point."""
+    if isinstance(out, Head):
+        set_headers = {":status": str(out.status)} if out.status is not None else {}
+        if out.content_type is not None:
+            set_headers["content-type"] = out.content_type
+        hidden = HIDDEN_RESPONSE_HEADERS[1:] if out.same_body else HIDDEN_RESPONSE_HEADERS
+        return response_headers_reply(set_headers=set_headers, remove=hidden)
+    if isinstance(out, Chunk):
+        return response_body_reply(out.data, out.end)
+    return immediate_response(out.status, out.body)
+
+
+def routed_replies(plan: Native | TokenOnly, remove: tuple[str, ...]) -> list[ext_proc_pb.ProcessingResponse]:
+    """The request as planned, to the engine Envoy will route it to: a native body as it is,
+    or the routed leg's generate body on `/inference/v1/generate`."""
+    if isinstance(plan, Native):
+        return [
+            request_headers_reply(remove=remove, destination=",".join(plan.hosts)),
+            *request_body_replies(plan.body),
+        ]
+    leg = plan.routed
+    set_headers = {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": leg.lease_id}
+    headers = request_headers_reply(
+        set_headers=set_headers,
+        remove=["content-length", *(h for h in remove if h not in set_headers)],
+        destination=",".join(leg.hosts),
+    )
+    return [headers, *request_body_replies(routed_body(plan))]

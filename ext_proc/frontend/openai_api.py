@@ -8,7 +8,7 @@ import orjson
 
 from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
-from ext_proc.protocol import ApiKind, OpenAIRequest
+from ext_proc.protocol import NOT_FOR_ENGINES, ApiKind, OpenAIRequest
 
 MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
@@ -63,3 +63,11 @@ def requested_completion_tokens(request: OpenAIRequest, remaining_context: int) 
         if isinstance(value, int) and value > 0:
             return min(value, max(remaining_context, 1))
     return max(remaining_context, 1)
+
+
+def native_body(request: OpenAIRequest, raw: bytes) -> bytes:
+    """The client's body for an engine's own endpoint: as sent, unless it carries fields an
+    engine must not get (then re-encoded without them)."""
+    if any(key in request.body for key in NOT_FOR_ENGINES):
+        return orjson.dumps(request.engine_body())
+    return raw

@@ -27,21 +27,44 @@ _GENERATE_FIELDS = (
 )
 
 
-def generate_body(prompt: PromptTokens, max_tokens: int, api: ApiKind) -> bytes:
-    """The engine body for one prompt: render's GenerateRequest with the gateway's final
-    max_tokens (always explicit: see `requested_max_tokens`)."""
+def generate_body(
+    prompt: PromptTokens,
+    max_tokens: int,
+    api: ApiKind,
+    *,
+    request_id: str | None = None,
+    prefill: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> bytes:
+    """The engine body for one prompt and one leg: render's GenerateRequest with the gateway's
+    final max_tokens (always explicit: see `requested_max_tokens`).
+
+    `prefill`: the prefill leg of a Handoff (non-streaming, one token, no min_tokens, asks the
+    engine to keep the KV for a remote decode). `kv_transfer_params`: what the prefill leg
+    returned, for the decode leg (top level and in `extra_args`, where vLLM's connectors look).
+    The gateway owns these fields: a client's values never get here."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     rendered = prompt.generate_request
     body = {key: rendered[key] for key in _GENERATE_FIELDS if rendered.get(key) is not None}
+    if request_id is not None:
+        body["request_id"] = request_id
     # extra_args carries the client's `vllm_xargs` (and a `kv_transfer_params` render moved there)
     params = {k: v for k, v in prompt.sampling_params.items() if k != "extra_args"}
-    body["sampling_params"] = {**params, "max_tokens": max_tokens}
+    params["max_tokens"] = max_tokens
     logprobs = prompt.sampling_params.get("logprobs")
     if api is ApiKind.COMPLETIONS and isinstance(logprobs, int) and 0 <= logprobs < MAX_LOGPROBS:
         # Completions show the sampled token plus the top k; generate cuts its list to k
         # entries in all, so ask for one more and let derender keep ranks 1..k.
-        body["sampling_params"]["logprobs"] = logprobs + 1
+        params["logprobs"] = logprobs + 1
+    if prefill:
+        params.pop("min_tokens", None)
+        body["stream"], body["stream_options"] = False, None
+        kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+        params["extra_args"] = {"kv_transfer_params": kv_transfer_params}
+    body["sampling_params"] = params
     # Derender only understands token output; an old engine that ignores this field still
     # answers in tokens, a newer one must not switch modes on us.
     body["output_mode"] = "tokens"

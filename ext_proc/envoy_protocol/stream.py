@@ -1,0 +1,64 @@
+"""The life of one ext_proc gRPC stream: a reader task feeds Envoy's messages to the
+exchange, whose replies go to an outbox the gRPC method drains, so the processor can also
+send messages between Envoy's (processor-owned work); `aclose` cancels and awaits every task
+the stream started, then lets the exchange release what it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from protos.stubs import ext_proc_pb
+
+log = logging.getLogger("tito.exchange")
+Replies = AsyncIterator[ext_proc_pb.ProcessingResponse]
+
+
+class EnvoyStream:
+    def __init__(self) -> None:
+        self.outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
+        raise NotImplementedError
+
+    def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:
+        """The replies after an unexpected exception (a processor bug)."""
+        return []
+
+    def release(self) -> None:
+        """Give back what the stream holds (after every task it started has ended)."""
+
+    def start(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
+        self.spawn(self._read(messages))
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _read(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
+        try:
+            async for message in messages:
+                try:
+                    async for reply in self.on_message(message):
+                        self.outbox.put_nowait(reply)
+                except Exception:
+                    log.exception("processor error on %s", message.WhichOneof("request"))
+                    for reply in self.on_bug():
+                        self.outbox.put_nowait(reply)
+        finally:
+            self.outbox.put_nowait(None)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.release()

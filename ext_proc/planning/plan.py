@@ -1,0 +1,85 @@
+"""What the gateway decided to do with one request: no protos, no I/O.
+
+A `Plan` is one of:
+- `Local`: the gateway answers itself (errors, 429, 503);
+- `Passthrough`: not inference (`/v1/models`): untouched to an engine, no lease, no verdict;
+- `Native`: the client's OpenAI body to an engine's own endpoint (multi-prompt for now, a
+  local-tokenizer fallback, an engine without token-only generate);
+- `TokenOnly`: token-only generate in one or more legs. Union is one leg; Handoff is a
+  prefill leg the processor runs, then the decode leg Envoy routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
+from scheduler import Role
+
+
+@dataclass(frozen=True)
+class Local:
+    status: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Native:
+    request: OpenAIRequest
+    body: bytes
+    lease_id: str
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One engine call of a token-only request."""
+
+    role: Role
+    lease_id: str  # the leg's own request id: its admission lease and the engine's X-Request-Id
+    hosts: tuple[str, ...]  # chosen instance first, then the ones Envoy may retry on
+    prompt: PromptTokens
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenOnly:
+    tokenized: TokenizedRequest
+    legs: tuple[Leg, ...]
+    kv_params_required: bool = False  # the pool's connector hands KV over through prefill's params
+    kv_transfer_params: dict[str, Any] | None = None  # what the prefill leg returned, for decode
+
+    @property
+    def routed(self) -> Leg:
+        """The leg Envoy routes (union or decode); the ones before it the processor runs."""
+        return self.legs[-1]
+
+    @property
+    def prefill(self) -> Leg | None:
+        return self.legs[0] if len(self.legs) > 1 else None
+
+
+Plan = Local | Passthrough | Native | TokenOnly
+
+
+def lease_ids(plan: Plan) -> list[str]:
+    if isinstance(plan, Native):
+        return [plan.lease_id]
+    if isinstance(plan, TokenOnly):
+        return [leg.lease_id for leg in plan.legs]
+    return []
+
+
+def routed(plan: Plan | None) -> tuple[str | None, tuple[str, ...]]:
+    """The lease and hosts of the leg Envoy routes, whose verdict Envoy's headers carry."""
+    if isinstance(plan, Native):
+        return plan.lease_id, plan.hosts
+    if isinstance(plan, TokenOnly):
+        return plan.routed.lease_id, plan.routed.hosts
+    return None, ()

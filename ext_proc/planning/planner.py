@@ -1,0 +1,169 @@
+"""One request in, one `Plan` out: parse → tokenize → budget → pick → commit.
+
+No protos and no Envoy: the adapter (`envoy_protocol/exchange.py`) hands over the route's
+handler, the content type and the body bytes, and turns the plan into Envoy messages. The
+only I/O is tokenization (render, or the local tokenizer). Every leg is picked before any is
+committed, so a request that cannot be placed takes nothing.
+
+Which topology (RFC Generate 阶段, PD-hybrid): with a prefill and a decode pool, Handoff
+(prefill leg, then decode) on a Handoff-capable decode instance; when no healthy pair
+exists, a union pool, else a decode instance that may serve alone (`decode_colocation`),
+else a 503.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from ext_proc.config import TitoConfig
+from ext_proc.errors import GatewayError
+from ext_proc.frontend.openai_api import native_body, parse_request
+from ext_proc.frontend.token_only import generate_body
+from ext_proc.frontend.tokenization import TokenizationService
+from ext_proc.model_files import vocab_size
+from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
+from ext_proc.planning.plan import Leg, Local, Native, Passthrough, Plan, TokenOnly
+from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
+from scheduler import Capability, Pick, Rejection, Role, Scheduler, ScheduleRequest
+
+
+class Planner:
+    def __init__(
+        self,
+        config: TitoConfig,
+        tokenization: TokenizationService,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._tokenization = tokenization
+        self.scheduler = scheduler
+        self._clock = clock
+        decode = config.pool("decode")
+        self._kv_params_required = decode is not None and decode.kv_connector == "nixl"
+
+    def passthrough(self) -> Passthrough:
+        return Passthrough(self.scheduler.passthrough_hosts())
+
+    async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> Plan:
+        try:
+            model = self._config.model
+            request = parse_request(api, content_type, raw, model, vocab_size(model.path))
+            tokenized = await self._tokenization.tokenize(request, raw, request_id)
+            return self.place(tokenized, raw)
+        except GatewayError as error:
+            return Local(error.status, error.body)
+
+    def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
+        """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
+        now = self._clock()
+        if tokenized.complete and len(tokenized.prompts) == 1:
+            handoff = self._handoff(tokenized, now)
+            if handoff is not None:
+                return handoff
+        alone = self._alone(tokenized, now)
+        if isinstance(alone, Rejection):
+            code = "token_budget_exceeded" if alone.status == 429 else "no_healthy_instance"
+            raise GatewayError(alone.status, alone.reason, code=code)
+        decision = self.scheduler.commit(alone)
+        if (
+            len(tokenized.prompts) > 1  # multi-prompt fan-out is processor-owned work still to come
+            or not tokenized.complete
+            or not self.scheduler.supports_token_only(decision.instance.address)
+        ):
+            return Native(tokenized.request, native_body(tokenized.request, raw), decision.request_id, decision.hosts)
+        prompt = tokenized.prompts[0]
+        leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
+        return TokenOnly(_kept(tokenized), (leg,))
+
+    def _alone(self, tokenized: TokenizedRequest, now: float) -> Pick | Rejection:
+        """One instance serving the whole request: a union instance, else a decode instance
+        that may serve alone."""
+        request = self._batch_request(tokenized)
+        if Role.UNION in self.scheduler.pools:
+            return self.scheduler.pick(request, now, Role.UNION)
+        return self.scheduler.pick(request, now, Role.DECODE, needs=Capability.COLOCATION)
+
+    def _batch_request(self, tokenized: TokenizedRequest) -> ScheduleRequest:
+        """Admission charges every prompt of the batch and n × max_tokens for each; the
+        first prompt's ids drive instance choice."""
+        first, *rest = tokenized.prompts
+        n = tokenized.n
+
+        def budget(prompt: PromptTokens) -> int:
+            return leg_max_tokens(self._config, tokenized, prompt, Role.UNION)
+
+        others = sum(len(p.token_ids) + n * budget(p) for p in rest)
+        return ScheduleRequest(tokenized.request_id, first.token_ids, budget(first), n, others)
+
+    def _handoff(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
+        """Prefill then decode, when a healthy Handoff pair exists (None: serve alone)."""
+        pools = self.scheduler.pools
+        if Role.PREFILL not in pools or Role.DECODE not in pools:
+            return None
+        prompt, rid = tokenized.prompts[0], tokenized.request_id
+        max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
+        decode_request = ScheduleRequest(
+            f"{rid}-decode", prompt.token_ids, max_tokens, tokenized.n, charge_prompt=False
+        )
+        decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=Capability.HANDOFF)
+        prefill = self._pick_prefill(tokenized, now, attempt=0)
+        if isinstance(decode, Rejection) or isinstance(prefill, Rejection):
+            return None
+        legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
+        return TokenOnly(_kept(tokenized), legs, kv_params_required=self._kv_params_required)
+
+    def _pick_prefill(
+        self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()
+    ) -> Pick | Rejection:
+        prompt = tokenized.prompts[0]
+        request = ScheduleRequest(f"{tokenized.request_id}-prefill-{attempt}", prompt.token_ids, PREFILL_MAX_TOKENS)
+        return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
+
+    def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
+        decision = self.scheduler.commit(pick)
+        return Leg(pick.role, decision.request_id, decision.hosts, tokenized.prompts[0], max_tokens)
+
+    def next_prefill(self, plan: TokenOnly, tried: tuple[str, ...], attempt: int) -> TokenOnly | None:
+        """The plan with its prefill leg on another instance (after a failed attempt), or None."""
+        picked = self._pick_prefill(plan.tokenized, self._clock(), attempt, exclude=tried)
+        if isinstance(picked, Rejection):
+            return None
+        return replace(plan, legs=(self._commit(picked, plan.tokenized, PREFILL_MAX_TOKENS), plan.routed))
+
+    def without_prefill(self, plan: TokenOnly, error: GatewayError) -> Plan:
+        """Handoff failed before decode (no prefill instance could prefill): its decode lease
+        goes back and the request is served alone if anything can (PD-hybrid), else `error`."""
+        self.finish(plan.routed.lease_id)
+        alone = self._alone(plan.tokenized, self._clock())
+        if isinstance(alone, Rejection):
+            return Local(error.status, error.body)
+        decision = self.scheduler.commit(alone)
+        leg = Leg(alone.role, decision.request_id, decision.hosts, plan.tokenized.prompts[0], alone.request.max_tokens)
+        return TokenOnly(plan.tokenized, (leg,))
+
+    def finish(self, lease_id: str, failed: tuple[str, ...] = (), served_by: str | None = None) -> None:
+        """A leg is over: its tokens go back, its engine's verdict to the breakers."""
+        self.scheduler.finish(lease_id, self._clock(), failed, served_by)
+
+
+def routed_body(plan: TokenOnly) -> bytes:
+    """The generate body of the leg Envoy routes (after a Handoff, with prefill's KV params)."""
+    leg = plan.routed
+    api = plan.tokenized.api
+    return generate_body(
+        leg.prompt, leg.max_tokens, api, request_id=leg.lease_id, kv_transfer_params=plan.kv_transfer_params
+    )
+
+
+def prefill_body(plan: TokenOnly) -> bytes:
+    leg = plan.prefill
+    assert leg is not None
+    return generate_body(leg.prompt, leg.max_tokens, plan.tokenized.api, request_id=leg.lease_id, prefill=True)
+
+
+def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
+    """What the exchange keeps for the life of the stream: no steering fields, no metadata."""
+    return replace(tokenized, request=tokenized.request.kept())

@@ -1,0 +1,34 @@
+"""What every stream of one processor process shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+from ext_proc.byte_budget import ByteBudget
+from ext_proc.config import TitoConfig
+from ext_proc.derender.pipeline import Derenderer
+from ext_proc.frontend.tokenization import TokenizationService
+from ext_proc.legs.http_client import CountingTransport
+from ext_proc.loop_lag import LoopLag
+from ext_proc.planning.planner import Planner
+from scheduler import Scheduler
+
+
+@dataclass
+class Services:
+    config: TitoConfig
+    tokenization: TokenizationService
+    derender: Derenderer
+    planner: Planner
+    http: httpx.AsyncClient
+    http_streams: CountingTransport
+    inflight: ByteBudget
+    loop_lag: LoopLag = field(default_factory=LoopLag)
+    active_exchanges: int = 0
+    native_replays: int = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.planner.scheduler

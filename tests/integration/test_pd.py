@@ -1,0 +1,131 @@
+"""Prefill/decode through real Envoy and the real render sidecar, over engine simulators
+(2 prefill, 2 decode, 1 union): Handoff legs as the engines see them, PD-hybrid fallback,
+prefill retries counted on breakers, and nothing left behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import RunningStack, SimGateway, start_gateway
+from tests.engine_sim import EngineSim, Fault, SimServer
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello 世界"}], "max_tokens": 5}
+
+
+class PdBench:
+    def __init__(self, gateway: SimGateway, servers: dict[str, list[SimServer]]) -> None:
+        self.gateway, self.servers = gateway, servers
+
+    def sims(self, role: str) -> list[EngineSim]:
+        return [s.sim for s in self.servers[role]]
+
+    def generate_calls(self, role: str) -> list[dict[str, Any]]:
+        return [r.json() for sim in self.sims(role) for r in sim.generate_requests()]
+
+
+@pytest.fixture
+def bench(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    """A gateway of its own per test (breaker state never carries over), ~2 s to start."""
+    servers = {
+        role: [SimServer(EngineSim()).start() for _ in range(n)]
+        for role, n in (("prefill", 2), ("decode", 2), ("union", 1))
+    }
+    pools = [
+        {"name": role, "role": role, "instances": [{"port": s.sim.port} for s in group]}
+        for role, group in servers.items()
+    ]
+    breaker = {"failure_threshold": 1, "base_cooldown_s": 60.0, "max_cooldown_s": 60.0}
+    config, gateway = start_gateway(
+        stack, tmp_path, [], pools=pools, scheduler={"policy": "round_robin", "breaker": breaker}
+    )
+    bench = PdBench(SimGateway(config, gateway, []), servers)
+    try:
+        yield bench
+        bench.gateway.assert_no_leaks()
+    finally:
+        gateway.stop()
+        for group in servers.values():
+            for server in group:
+                server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_handoff_is_one_prefill_then_one_decode_with_its_params(bench: PdBench, stream: bool) -> None:
+    response = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
+    assert response.status_code == 200
+    if stream:
+        assert response.text.endswith("data: [DONE]\n\n") and '"chat.completion.chunk"' in response.text
+    else:
+        assert response.json()["object"] == "chat.completion" and response.json()["usage"]["completion_tokens"] == 5
+    [prefill] = bench.generate_calls("prefill")
+    [decode] = bench.generate_calls("decode")
+    assert bench.generate_calls("union") == []
+    assert prefill["stream"] is False and prefill["sampling_params"]["max_tokens"] == 1
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert decode["token_ids"] == prefill["token_ids"]
+    assert decode["kv_transfer_params"]["do_remote_prefill"] is True
+    assert decode["kv_transfer_params"]["remote_request_id"] == "generate-tokens-" + prefill["request_id"]
+    assert decode["sampling_params"]["extra_args"] == {"kv_transfer_params": decode["kv_transfer_params"]}
+    assert decode["stream"] is stream and decode["sampling_params"]["max_tokens"] == 5
+
+
+def test_a_failing_prefill_is_retried_on_the_other_and_counted(bench: PdBench) -> None:
+    broken, healthy = bench.sims("prefill")
+    broken.fault = Fault("status", status=500)
+    healthy.fault = None
+    for _ in range(2):  # round robin: one of the two requests picks the broken one first
+        response = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert response.status_code == 200
+    state = bench.gateway.state()["scheduler"]["instances"]
+    assert state[broken.address]["breaker"] == "open"
+    assert len(broken.generate_requests()) == 1
+    decodes = bench.generate_calls("decode")
+    assert len(decodes) == 2  # no decode call for the failed attempt
+    assert {d["kv_transfer_params"]["remote_engine_id"] for d in decodes} == {f"sim-{healthy.port}"}
+
+
+def test_every_prefill_down_is_served_by_the_union_pool(bench: PdBench) -> None:
+    for sim in bench.sims("prefill"):
+        sim.fault = Fault("status", status=503)
+    response = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert response.status_code == 200 and response.json()["object"] == "chat.completion"
+    assert bench.generate_calls("decode") == []
+    [union] = bench.generate_calls("union")
+    assert "kv_transfer_params" not in union
+    # with every prefill breaker open, the next request is planned straight onto union
+    again = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert again.status_code == 200 and len(bench.generate_calls("union")) == 2
+    assert len(bench.generate_calls("prefill")) == 2
+
+
+def test_nothing_healthy_is_a_503(bench: PdBench) -> None:
+    sims = [*bench.sims("prefill"), *bench.sims("union")]
+    for sim in sims:
+        sim.fault = Fault("status", status=503)
+    response = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert response.status_code == 503
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert bench.generate_calls("decode") == []
+
+
+def test_a_client_leaving_during_decode_leaves_nothing(bench: PdBench) -> None:
+    for sim in bench.sims("decode"):
+        sim.token_delay_s = 0.05
+    with httpx.stream(
+        "POST",
+        bench.gateway.base_url + "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 200, "stream": True},
+        timeout=30,
+    ) as response:
+        for _ in response.iter_raw():
+            break  # one chunk, then the client is gone
+    deadline = time.monotonic() + 5
+    while sum(s.streams_cut for s in bench.sims("decode")) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(s.streams_cut for s in bench.sims("decode")) == 1

@@ -1,0 +1,407 @@
+"""The processor's per-stream protocol adapter driven message by message as Envoy would,
+with fake tokenization and derender and engines behind an httpx mock transport (no Envoy,
+no render, no engine): every plan kind, every response handler, the edge (a processor bug
+is a generic 500, bodies bounded as they arrive), and leases back to zero after each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ext_proc.byte_budget import ByteBudget
+from ext_proc.config import TitoConfig
+from ext_proc.envoy_protocol.exchange import Exchange
+from ext_proc.legs.http_client import CountingTransport
+from ext_proc.planning.planner import Planner
+from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.server import build_scheduler
+from ext_proc.services import Services
+from protos.stubs import core_pb, ext_proc_pb
+
+LIMIT = 1000
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+UNION = [{"name": "union", "role": "union", "instances": [{"port": 8201}, {"port": 8202}]}]
+PD = [
+    {"name": "p", "role": "prefill", "instances": [{"port": 8301}, {"port": 8302}]},
+    {"name": "d", "role": "decode", "instances": [{"port": 8401}]},
+]
+
+
+class FakeTokenization:
+    """Render's answer without render: one GenerateRequest per prompt."""
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        if self.fail:
+            raise RuntimeError("secret internal detail")
+        prompts = request.body.get("prompt", ["chat"])
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        rendered = [
+            {
+                "request_id": "chatcmpl-" + request_id,
+                "token_ids": [1, 2, 3, i + 4],
+                "sampling_params": {"max_tokens": request.body.get("max_tokens", 16), "min_tokens": 1, "n": request.n},
+                "stream": request.stream,
+            }
+            for i in range(len(prompts))
+        ]
+        return TokenizedRequest(request, "chatcmpl-" + request_id, [PromptTokens.rendered(r) for r in rendered])
+
+
+class FakeSession:
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        return b"".join(b"data: " + orjson.dumps({"ids": e["choices"][0]["token_ids"]}) + b"\n\n" for e, _ in events)
+
+
+class FakeDerender:
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> FakeSession:
+        return FakeSession()
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+        return orjson.dumps(
+            {"object": "chat.completion", "ids": orjson.loads(generate_body)["choices"][0]["token_ids"]}
+        )
+
+
+class Engines:
+    """Every engine's HTTP side (prefill legs, native replays): scripted per host."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.answer: Callable[[str, dict[str, Any]], httpx.Response] = self.prefill_ok
+
+    @staticmethod
+    def prefill_ok(host: str, body: dict[str, Any]) -> httpx.Response:
+        params = {"do_remote_prefill": True, "remote_engine_id": host}
+        return httpx.Response(200, json={"choices": [{"token_ids": [9]}], "kv_transfer_params": params})
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        self.calls.append((f"{request.url.host}:{request.url.port}{request.url.path}", body))
+        return self.answer(f"{request.url.host}:{request.url.port}", body)
+
+
+@pytest.fixture
+def engines() -> Engines:
+    return Engines()
+
+
+def _services(engines: Engines, pools: list[dict[str, Any]] = UNION, budget: int = 10 * LIMIT) -> Services:
+    config = TitoConfig.model_validate({"listener": {"max_request_bytes": LIMIT}, "pools": pools})
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
+    scheduler = build_scheduler(config)
+    tokenization = FakeTokenization()
+    return Services(
+        config=config,
+        tokenization=tokenization,  # type: ignore[arg-type]
+        derender=FakeDerender(),
+        planner=Planner(config, tokenization, scheduler),  # type: ignore[arg-type]
+        http=http,
+        http_streams=CountingTransport(httpx.AsyncHTTPTransport()),
+        inflight=ByteBudget(budget),
+    )
+
+
+def _headers(path: str = "/v1/chat/completions", method: str = "POST", end: bool = False, **extra: str) -> Any:
+    pairs = {":method": method, ":path": path, "content-type": "application/json", **extra}
+    headers = core_pb.HeaderMap(headers=[core_pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    return ext_proc_pb.ProcessingRequest(request_headers=ext_proc_pb.HttpHeaders(headers=headers, end_of_stream=end))
+
+
+def _body(data: bytes | dict[str, Any], end: bool = True) -> Any:
+    raw = data if isinstance(data, bytes) else orjson.dumps(data)
+    return ext_proc_pb.ProcessingRequest(request_body=ext_proc_pb.HttpBody(body=raw, end_of_stream=end))
+
+
+def _response_headers(status: int, content_type: str, end: bool = False, **extra: str) -> Any:
+    pairs = {":status": str(status), "content-type": content_type, **extra}
+    headers = core_pb.HeaderMap(headers=[core_pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    return ext_proc_pb.ProcessingRequest(response_headers=ext_proc_pb.HttpHeaders(headers=headers, end_of_stream=end))
+
+
+def _response_body(data: bytes, end: bool) -> Any:
+    return ext_proc_pb.ProcessingRequest(response_body=ext_proc_pb.HttpBody(body=data, end_of_stream=end))
+
+
+async def _run(exchange: Exchange, *messages: Any) -> list[Any]:
+    return [reply for message in messages async for reply in exchange.on_message(message)]
+
+
+def _immediate(replies: list[Any]) -> tuple[int, dict[str, Any]]:
+    [reply] = [r for r in replies if r.HasField("immediate_response")]
+    return reply.immediate_response.status.code, orjson.loads(reply.immediate_response.body)
+
+
+def _local(replies: list[Any]) -> tuple[int, dict[str, Any]]:
+    parts = [r.streamed_immediate_response for r in replies if r.HasField("streamed_immediate_response")]
+    status = {h.key: h.raw_value for h in parts[0].headers_response.headers.headers}[":status"]
+    return int(status), orjson.loads(parts[1].body_response.body)
+
+
+def _routed(replies: list[Any]) -> tuple[dict[str, str], str, dict[str, Any]]:
+    """The request-headers reply (set headers, destination) and the new body."""
+    headers = replies[0].request_headers.response.header_mutation
+    destination = replies[0].dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]
+    body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in replies[1:])
+    return {h.header.key: h.header.raw_value.decode() for h in headers.set_headers}, destination, orjson.loads(body)
+
+
+def _client_body(replies: list[Any]) -> bytes:
+    return b"".join(
+        r.response_body.response.body_mutation.streamed_response.body for r in replies if r.HasField("response_body")
+    )
+
+
+async def _closed(services: Services, *exchanges: Exchange) -> dict[str, Any]:
+    for exchange in exchanges:
+        await exchange.aclose()
+    assert services.active_exchanges == 0 and services.inflight.held == 0
+    state: dict[str, Any] = services.scheduler.snapshot()
+    assert state["total_active_tokens"] == 0 and state["active_requests"] == 0
+    return state
+
+
+# -- plan kinds ----------------------------------------------------------------------------
+
+
+async def test_local_plan_answers_a_bad_request(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    status, body = _local(await _run(exchange, _headers(), _body(b'{"model": "tiny", "messages": [')))
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    await _closed(services, exchange)
+
+
+async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    steering = {"x-data-parallel-rank": "1", "x-envoy-max-retries": "7", "authorization": "Bearer k"}
+    [reply] = await _run(exchange, _headers("/v1/models", "GET", end=True, traceparent="00-ab-cd-01", **steering))
+    removed = set(reply.request_headers.response.header_mutation.remove_headers)
+    assert set(steering) <= removed and "traceparent" not in removed
+    assert services.scheduler.ledger.active_leases == 0
+    replies = await _run(exchange, _response_headers(500, "application/json"), _response_body(b'{"x":1}', True))
+    assert "content-length" not in replies[0].response_headers.response.header_mutation.remove_headers
+    assert _client_body(replies) == b'{"x":1}'
+    state = await _closed(services, exchange)
+    assert all(i["breaker"] == "closed" and i["consecutive_failures"] == 0 for i in state["instances"].values())
+
+
+async def test_native_plan_for_a_multi_prompt_batch_charges_every_prompt(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    batch = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "n": 2, "priority": 9}
+    replies = await _run(exchange, _headers("/v1/completions"), _body(batch))
+    set_headers, destination, body = _routed(replies)
+    assert ":path" not in set_headers and destination == "127.0.0.1:8201,127.0.0.1:8202"
+    assert body == {k: v for k, v in batch.items() if k != "priority"}
+    assert services.scheduler.ledger.total_tokens == 2 * 4 + 2 * 2 * 3
+    await _closed(services, exchange)
+
+
+async def test_token_only_plan_streams_through_derender(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    replies = await _run(exchange, _headers(), _body({**CHAT, "stream": True}))
+    set_headers, destination, body = _routed(replies)
+    assert set_headers[":path"] == "/inference/v1/generate"
+    assert set_headers["x-request-id"] == "chatcmpl-" + exchange._request_id == body["request_id"]
+    assert body["token_ids"] == [1, 2, 3, 4] and body["sampling_params"]["max_tokens"] == 4
+    assert services.scheduler.ledger.total_tokens == 4 + 4
+    event = b'data: {"choices":[{"index":0,"token_ids":[7]}]}\n\n'
+    upstream = "127.0.0.1:8201"
+    replies = await _run(
+        exchange,
+        _response_headers(200, "text/event-stream", **{"x-tito-upstream-host": upstream}),
+        _response_body(event[:10], False),
+        _response_body(event[10:] + b"data: [DONE]\n\n", True),
+    )
+    assert _client_body(replies) == b'data: {"ids":[7]}\n\ndata: [DONE]\n\n'
+    state = await _closed(services, exchange)
+    assert state["instances"][upstream]["breaker"] == "closed"
+
+
+async def test_buffered_response_is_derendered_once_and_engine_errors_become_openai_errors(engines: Engines) -> None:
+    services = _services(engines)
+    ok, failed = Exchange(services), Exchange(services)
+    for exchange in (ok, failed):
+        await _run(exchange, _headers(), _body(CHAT))
+    replies = await _run(
+        ok, _response_headers(200, "application/json"), _response_body(b'{"choices":[{"token_ids":[5,6]}]}', True)
+    )
+    assert orjson.loads(_client_body(replies)) == {"object": "chat.completion", "ids": [5, 6]}
+    replies = await _run(
+        failed,
+        _response_headers(500, "text/plain", **{"x-tito-upstream-host": "127.0.0.1:8201"}),
+        _response_body(b"boom", True),
+    )
+    assert replies[0].response_headers.response.header_mutation.set_headers[0].header.raw_value == b"500"
+    assert orjson.loads(_client_body(replies))["error"]["message"] == "boom"
+    state = await _closed(services, ok, failed)
+    assert state["instances"]["127.0.0.1:8201"]["consecutive_failures"] == 1  # the routed leg's verdict
+
+
+async def test_an_engine_without_token_only_generate_gets_a_native_replay(engines: Engines) -> None:
+    services = _services(engines)
+    engines.answer = lambda host, body: httpx.Response(
+        200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(orjson.dumps({"native": host}))
+    )
+    exchange = Exchange(services)
+    await _run(exchange, _headers(), _body(CHAT))
+    replies = await _run(
+        exchange, _response_headers(404, "application/json"), _response_body(b'{"detail":"Not Found"}', True)
+    )
+    assert orjson.loads(_client_body(replies)) == {"native": "127.0.0.1:8201"}
+    assert engines.calls[0][0] == "127.0.0.1:8201/v1/chat/completions" and engines.calls[0][1] == CHAT
+    assert services.scheduler.supports_token_only("127.0.0.1:8201") is False
+    await _closed(services, exchange)
+
+
+async def test_a_buffered_response_over_the_cap_is_a_502(engines: Engines) -> None:
+    services = _services(engines)
+    services.config.processor.max_response_bytes = 10
+    exchange = Exchange(services)
+    await _run(exchange, _headers(), _body(CHAT))
+    replies = await _run(exchange, _response_headers(200, "application/json"), _response_body(b"x" * 11, False))
+    assert _immediate(replies)[0] == 502
+    assert await _run(exchange, _response_body(b"x", True)) == []  # the rest is dropped
+    await _closed(services, exchange)
+
+
+# -- prefill/decode ------------------------------------------------------------------------
+
+
+async def test_handoff_runs_prefill_then_routes_decode_with_its_params(engines: Engines) -> None:
+    services = _services(engines, PD)
+    exchange = Exchange(services)
+    replies = await _run(exchange, _headers(), _body({**CHAT, "stream": True}))
+    [(target, prefill)] = engines.calls
+    assert target.endswith("/inference/v1/generate") and target.startswith("127.0.0.1:830")
+    assert prefill["stream"] is False and prefill["sampling_params"]["max_tokens"] == 1
+    assert "min_tokens" not in prefill["sampling_params"]
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    set_headers, destination, decode = _routed(replies)
+    assert destination == "127.0.0.1:8401"
+    assert set_headers["x-request-id"] == f"chatcmpl-{exchange._request_id}-decode" == decode["request_id"]
+    params = {"do_remote_prefill": True, "remote_engine_id": target.split("/")[0]}
+    assert decode["kv_transfer_params"] == params and decode["sampling_params"]["extra_args"] == {
+        "kv_transfer_params": params
+    }
+    assert decode["stream"] is True and decode["sampling_params"]["max_tokens"] == 4
+    # prefill's tokens went back when it finished; decode holds its own
+    assert services.scheduler.ledger.total_tokens == 4
+    await _closed(services, exchange)
+
+
+async def test_a_failed_prefill_is_retried_on_the_other_instance_and_counted(engines: Engines) -> None:
+    services = _services(engines, PD)
+    first: list[str] = []
+
+    def flaky(host: str, body: dict[str, Any]) -> httpx.Response:
+        first.append(host)
+        return httpx.Response(500, text="down") if len(first) == 1 else Engines.prefill_ok(host, body)
+
+    engines.answer = flaky
+    exchange = Exchange(services)
+    _, destination, decode = _routed(await _run(exchange, _headers(), _body(CHAT)))
+    assert len(set(first)) == 2 and destination == "127.0.0.1:8401"
+    assert decode["kv_transfer_params"]["remote_engine_id"] == first[1]
+    state = await _closed(services, exchange)
+    assert state["instances"][first[0]]["consecutive_failures"] == 1
+
+
+async def test_no_prefill_anywhere_is_a_503_and_no_decode_call(engines: Engines) -> None:
+    services = _services(engines, PD)
+    engines.answer = lambda host, body: httpx.Response(503, text="down")
+    exchange = Exchange(services)
+    status, body = _local(await _run(exchange, _headers(), _body(CHAT)))
+    assert status == 503 and body["error"]["code"] == "prefill_failed"
+    assert len(engines.calls) == 2  # both prefill instances, nothing to decode
+    await _closed(services, exchange)
+
+
+async def test_when_every_prefill_fails_a_union_instance_serves_it(engines: Engines) -> None:
+    services = _services(engines, [*PD, {"name": "u", "role": "union", "instances": [{"port": 8501}]}])
+    engines.answer = lambda host, body: httpx.Response(503, text="down")
+    exchange = Exchange(services)
+    set_headers, destination, body = _routed(await _run(exchange, _headers(), _body(CHAT)))
+    assert destination == "127.0.0.1:8501" and "kv_transfer_params" not in body
+    assert len(engines.calls) == 2 and services.scheduler.ledger.total_tokens == 4 + 4
+    state = await _closed(services, exchange)
+    assert [state["instances"][f"127.0.0.1:{p}"]["consecutive_failures"] for p in (8301, 8302, 8401)] == [1, 1, 0]
+
+
+async def test_pd_hybrid_serves_alone_on_a_colocated_decode_when_prefill_is_down(engines: Engines) -> None:
+    pools = [
+        PD[0],
+        {**PD[1], "instances": [{"port": 8401, "capabilities": ["prefill_handoff_decode", "decode_colocation"]}]},
+    ]
+    services = _services(engines, pools)
+    for address in ("127.0.0.1:8301", "127.0.0.1:8302"):
+        for _ in range(3):
+            services.scheduler.breakers[address].record_failure(time.monotonic())
+    exchange = Exchange(services)
+    set_headers, destination, body = _routed(await _run(exchange, _headers(), _body(CHAT)))
+    assert destination == "127.0.0.1:8401" and "kv_transfer_params" not in body and engines.calls == []
+    await _closed(services, exchange)
+
+
+# -- the edge ------------------------------------------------------------------------------
+
+
+async def test_a_processor_bug_is_a_generic_500_with_the_request_id(engines: Engines) -> None:
+    services = _services(engines)
+    services.tokenization.fail = True  # type: ignore[attr-defined]
+    exchange = Exchange(services)
+    exchange.start(_messages(_headers(), _body(CHAT)))
+    replies = [r async for r in _drain(exchange)]
+    status, body = _immediate(replies)
+    assert status == 500 and body["error"]["code"] == "internal_error"
+    assert "secret" not in body["error"]["message"] and exchange._request_id in body["error"]["message"]
+    await _closed(services, exchange)
+
+
+async def test_a_body_over_the_limit_is_answered_as_it_crosses_it(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    replies = await _run(exchange, _headers(), _body(b"x" * 600, False), _body(b"x" * 600, False))
+    assert _immediate(replies)[0] == 413
+    assert services.inflight.held == 0  # let go at once
+    assert await _run(exchange, _body(b"x" * 600, True)) == []  # the rest is not read
+    declared = Exchange(services)
+    assert _immediate(await _run(declared, _headers(**{"content-length": str(LIMIT + 1)})))[0] == 413
+    await _closed(services, exchange, declared)
+
+
+async def test_the_inflight_budget_turns_new_bytes_away_and_comes_back(engines: Engines) -> None:
+    services = _services(engines, budget=1000)
+    first, second = Exchange(services), Exchange(services)
+    assert await _run(first, _headers(), _body(b"x" * 800, False)) == []
+    status, body = _immediate(await _run(second, _headers(), _body(b"x" * 300, False)))
+    assert status == 503 and body["error"]["code"] == "overloaded"
+    await _closed(services, first, second)  # e.g. the client left mid-upload
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("POST", "/tokenize", 404), ("GET", "/health", 200)])
+async def test_only_the_route_table_is_served(engines: Engines, method: str, path: str, status: int) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    assert _immediate(await _run(exchange, _headers(path, method, end=True)))[0] == status
+    await _closed(services, exchange)
+
+
+async def _messages(*messages: Any) -> Any:
+    for message in messages:
+        yield message
+
+
+async def _drain(exchange: Exchange) -> Any:
+    while (reply := await exchange.outbox.get()) is not None:
+        yield reply
