@@ -1,17 +1,20 @@
-"""The processor's admin port: `/health`, `/debug/state` (JSON) and `/metrics` (Prometheus text).
+"""The processor's admin port: `/health`, `/debug/state` (JSON), `/metrics` (Prometheus text),
+and `POST /v1/metaserver` (Trigger callbacks from decode engines: `legs/trigger.py`).
 
 Tests and operators read the admission ledger, scheduler load, breakers and live streams
-here instead of reaching into the process. Deliberately tiny: GET only, one response per
-connection, nothing on the request path.
+here instead of reaching into the process. Deliberately tiny: one response per connection;
+never reachable through the public listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
+from ext_proc.legs.trigger import METASERVER_PATH
 from ext_proc.services import Services
 
 
@@ -20,6 +23,7 @@ def state(services: Services) -> dict[str, Any]:
         "active_exchanges": services.active_exchanges,
         "open_http_streams": services.http_streams.open_streams + services.http_streams.in_flight,
         "native_replays": services.native_replays,
+        "trigger_waiting": len(services.triggers),
         "inflight_bytes": services.inflight.held,
         "tokenization": services.tokenization.snapshot(),
         "scheduler": services.scheduler.snapshot(),
@@ -56,13 +60,27 @@ def _respond(status: str, content_type: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
+MAX_CALLBACK_BYTES = 64 * 1024
+_STATUS = {200: "200 OK", 400: "400 Bad Request", 404: "404 Not Found", 409: "409 Conflict", 502: "502 Bad Gateway"}
+
+
 async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         request_line = await asyncio.wait_for(reader.readline(), 5)
         parts = request_line.decode("latin-1").split()
-        path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
-        if len(parts) < 2 or parts[0] != "GET":
-            response = _respond("405 Method Not Allowed", "text/plain", b"GET only\n")
+        target = parts[1] if len(parts) >= 2 else ""
+        path, _, query = target.partition("?")
+        length = await _content_length(reader)
+        if len(parts) >= 2 and parts[0] == "POST" and path == METASERVER_PATH and length <= MAX_CALLBACK_BYTES:
+            body = await asyncio.wait_for(reader.readexactly(length), 5)
+            attempt = parse_qs(query).get("attempt", [None])[0]
+            try:
+                status, answer = await services.triggers.callback(attempt, body)
+            except asyncio.CancelledError:  # the request's stream ended meanwhile
+                status, answer = 404, {"error": "the request is gone"}
+            response = _respond(_STATUS.get(status, f"{status} Error"), "application/json", orjson.dumps(answer))
+        elif len(parts) < 2 or parts[0] != "GET":
+            response = _respond("405 Method Not Allowed", "text/plain", b"GET, or POST /v1/metaserver\n")
         elif path == "/health":
             response = _respond("200 OK", "text/plain", b"ok\n")
         elif path == "/debug/state":
@@ -73,10 +91,20 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond("404 Not Found", "text/plain", b"not found\n")
         writer.write(response)
         await writer.drain()
-    except (TimeoutError, ConnectionError):
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
         pass
     finally:
         writer.close()
+
+
+async def _content_length(reader: asyncio.StreamReader) -> int:
+    """Reads the headers; the body's length (0 if none)."""
+    length = 0
+    while (line := await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.strip().lower() == "content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return length
 
 
 async def start_admin(services: Services, host: str, port: int) -> asyncio.Server:

@@ -165,7 +165,9 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_decode_mode(self) -> PoolConfig:
-        modes = {c for i in self.instances for c in i.capabilities if c != "decode_colocation"}
+        # a decode instance that declares no mode does Handoff
+        default = ["prefill_handoff_decode"] if self.role == "decode" else []
+        modes = {c for i in self.instances for c in (i.capabilities or default) if c != "decode_colocation"}
         if len(modes) > 1:
             raise ValueError(f"pool {self.name}: Handoff and Trigger instances cannot be mixed in one decode pool")
         return self

@@ -20,6 +20,7 @@ from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
+from ext_proc.legs.trigger import Triggers
 from ext_proc.planning.planner import Planner
 from ext_proc.services import Services
 from protos.stubs import ext_proc_grpc, ext_proc_pb
@@ -95,16 +96,18 @@ def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: Countin
         LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
     )
     scheduler = build_scheduler(config)
+    planner = Planner(config, tokenization, scheduler)
     return Services(
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
             config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)
         ),
-        planner=Planner(config, tokenization, scheduler),
+        planner=planner,
         http=http,
         http_streams=streams,
         inflight=ByteBudget(config.inflight_bytes),
+        triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
     )
 
 

@@ -11,6 +11,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.planning.planner import Planner
 from scheduler import Scheduler
@@ -25,6 +26,7 @@ class Services:
     http: httpx.AsyncClient
     http_streams: CountingTransport
     inflight: ByteBudget
+    triggers: Triggers
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
     native_replays: int = 0

@@ -27,20 +27,22 @@ class Policy(Protocol):
 
 
 class _Rotating:
-    """Ranks by `_load`, then by a turn that advances every decision, so equal candidates
-    take turns instead of the first one always winning."""
+    """Ranks by `_load`, then by a turn that advances every decision in the candidates' pool
+    (one turn per pool: a prefill pick never moves the decode pool's turn), so equal
+    candidates take turns instead of the first one always winning."""
 
     uses_prefix = False
 
     def __init__(self) -> None:
-        self._turn = 0
+        self._turns: dict[str, int] = {}
 
     def _load(self, candidate: Candidate) -> tuple[int, ...]:
         return ()
 
     def rank(self, candidates: list[Candidate], prompt_tokens: int) -> list[Candidate]:
-        offset, n = self._turn, _pool_size(candidates)
-        self._turn += 1
+        pool = candidates[0].instance.pool if candidates else ""
+        offset, n = self._turns.get(pool, 0), _pool_size(candidates)
+        self._turns[pool] = offset + 1
         return sorted(candidates, key=lambda c: (*self._load(c), (c.position - offset) % n))
 
 

@@ -6,8 +6,9 @@ of vLLM 0.32 `--enable-scale-out` (shared/docs/vllm-scale-out-protocol.md §4): 
 `GenerateTokensResponse`, SSE `GenerateStreamResponse` chunks with one choice each, a
 finish chunk with `weight_versions`, the `choices: []` usage chunk, `data: [DONE]`, and
 `generate-tokens-<X-Request-Id>` ids. Prefill/decode: a generate whose `kv_transfer_params`
-say `do_remote_decode` is a Handoff prefill leg (one token, and NIXL-style pull params in
-the answer); the decode leg's params are recorded like everything else.
+say `do_remote_decode` is a prefill leg (one token, and NIXL-style pull params in the
+answer); a decode leg whose params carry a `metaserver` (Trigger) first POSTs the callback
+a layer-wise decode engine makes, and fails if the gateway does not answer 200.
 
 Run one as a process: `python -m tests.engine_sim --port 8300`.
 """
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -83,6 +85,7 @@ class EngineSim:
     pad_bytes: int = 0  # non-streaming generate answers carry this much padding (oversized responses)
     received: list[Received] = field(default_factory=list)
     streams_cut: int = 0  # generate streams the client (Envoy) left before the end
+    trigger_callbacks: list[int] = field(default_factory=list)  # metaserver answers (Trigger decode)
 
     @property
     def address(self) -> str:
@@ -108,6 +111,14 @@ class EngineSim:
             "remote_port": self.port,
             "remote_num_tokens": len(prompt),
         }
+
+    async def _call_metaserver(self, url: str, request_id: str) -> int:
+        """What a layer-wise (Trigger) decode engine does once it can receive KV."""
+        params = {"do_remote_prefill": True, "remote_engine_id": f"sim-{self.port}", "metaserver": url}
+        async with httpx.AsyncClient(trust_env=False) as client:
+            response = await client.post(url, json={"request_id": request_id, "kv_transfer_params": params}, timeout=30)
+        self.trigger_callbacks.append(response.status_code)
+        return response.status_code
 
     def _take_fault(self) -> Fault | None:
         fault = self.fault
@@ -152,7 +163,11 @@ class EngineSim:
             "completion_tokens": len(tokens),
         }
         kv_params = body.get("kv_transfer_params") or {}
-        if kv_params.get("do_remote_decode"):  # a Handoff prefill leg: one token, KV kept for decode
+        if kv_params.get("metaserver"):  # a Trigger decode leg: ask the gateway for the prefill first
+            status = await self._call_metaserver(kv_params["metaserver"], request_id)
+            if status != 200:
+                return _error(500, f"trigger callback answered {status}", "KVTransferError")
+        if kv_params.get("do_remote_decode"):  # a prefill leg: one token, KV kept for decode
             tokens, finish = tokens[:1], "length"
             kv_params = self.prefill_params(request_id, body["token_ids"])
         else:

@@ -50,6 +50,7 @@ class Exchange(EnvoyStream):
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
         routed_lease = routed(self._plan)[0]
+        self._s.triggers.forget(routed_lease or "")
         for lease in self._leases:
             verdict = self._verdict if lease == routed_lease else Verdict()
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
@@ -120,6 +121,8 @@ class Exchange(EnvoyStream):
                 plan = self._s.planner.without_prefill(plan, error)
                 self._leases += lease_ids(plan)
             self._plan = plan
+        if isinstance(plan, TokenOnly) and plan.trigger_attempt is not None:  # its engine will call back
+            self._s.triggers.expect(plan, self.spawn)
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
         if isinstance(plan, Local):
             replies = self._local(plan)
@@ -130,14 +133,12 @@ class Exchange(EnvoyStream):
                 reply.request_body.response.body_mutation.streamed_response.end_of_stream = False
             yield reply
 
-    def _unforwarded(self) -> tuple[str, ...]:
-        """Request headers removed before the upstream: all but the forwarded few."""
+    def _unforwarded(self) -> tuple[str, ...]:  # request headers removed: all but the forwarded few
         return (msg.DESTINATION_KEY, *msg.unforwarded_headers(self._headers))
 
     # -- answers ----------------------------------------------------------------------------
 
-    def _local(self, answer: Local) -> list[ext_proc_pb.ProcessingResponse]:
-        """An answer once the request body has ended (a streamed immediate response)."""
+    def _local(self, answer: Local) -> list[ext_proc_pb.ProcessingResponse]:  # after the body's end
         self.mode = Mode.LOCAL
         return msg.local_response(answer.status, answer.body)
 
@@ -148,8 +149,7 @@ class Exchange(EnvoyStream):
         self._body.drop()
         return msg.immediate_response(error.status, error.body)
 
-    def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:
-        """A generic 500 naming the request (the details are in the log)."""
+    def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
         message = f"internal gateway error (request {self._request_id})"
         error = GatewayError(500, message, code="internal_error")
         if self.mode is Mode.LOCAL or (self._handler is not None and self._handler.done):
@@ -181,6 +181,7 @@ class Exchange(EnvoyStream):
         return replay_native(self._s.http, address, request, self._s.config.listener.stream_idle_timeout_s, end)
 
     async def _on_response_body(self, message: ext_proc_pb.HttpBody) -> Replies:
+        self._s.triggers.first_chunk(routed(self._plan)[0] or "")  # a Trigger prefill's tokens go back
         async for reply in self._response(lambda h: h.on_body(message.body, message.end_of_stream)):
             yield reply
 

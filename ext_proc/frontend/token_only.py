@@ -35,14 +35,16 @@ def generate_body(
     request_id: str | None = None,
     prefill: bool = False,
     kv_transfer_params: dict[str, Any] | None = None,
+    min_tokens: int | None = None,
 ) -> bytes:
     """The engine body for one prompt and one leg: render's GenerateRequest with the gateway's
     final max_tokens (always explicit: see `requested_max_tokens`).
 
-    `prefill`: the prefill leg of a Handoff (non-streaming, one token, no min_tokens, asks the
-    engine to keep the KV for a remote decode). `kv_transfer_params`: what the prefill leg
-    returned, for the decode leg (top level and in `extra_args`, where vLLM's connectors look).
-    The gateway owns these fields: a client's values never get here."""
+    `prefill`: a prefill leg (non-streaming, asks the engine to keep the KV for a remote
+    decode; no min_tokens unless given: Trigger sets 1). `kv_transfer_params`: the leg's
+    (prefill's answer for a Handoff decode leg; Trigger's metaserver or callback params), top
+    level and in `extra_args`, where vLLM's connectors look. The gateway owns these fields:
+    a client's values never get here."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     rendered = prompt.generate_request
@@ -60,7 +62,9 @@ def generate_body(
     if prefill:
         params.pop("min_tokens", None)
         body["stream"], body["stream_options"] = False, None
-        kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+        kv_transfer_params = kv_transfer_params or {"do_remote_decode": True, "do_remote_prefill": False}
+    if min_tokens is not None:
+        params["min_tokens"] = min_tokens
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
         params["extra_args"] = {"kv_transfer_params": kv_transfer_params}

@@ -6,7 +6,8 @@ A `Plan` is one of:
 - `Native`: the client's OpenAI body to an engine's own endpoint (multi-prompt for now, a
   local-tokenizer fallback, an engine without token-only generate);
 - `TokenOnly`: token-only generate in one or more legs. Union is one leg; Handoff is a
-  prefill leg the processor runs, then the decode leg Envoy routes.
+  prefill leg the processor runs, then the decode leg Envoy routes; Trigger is the decode
+  leg alone at first (its engine's callback brings the prefill leg: `legs/trigger.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class TokenOnly:
     tokenized: TokenizedRequest
     legs: tuple[Leg, ...]
     kv_params_required: bool = False  # the pool's connector hands KV over through prefill's params
-    kv_transfer_params: dict[str, Any] | None = None  # what the prefill leg returned, for decode
+    kv_transfer_params: dict[str, Any] | None = None  # for the routed leg: what prefill returned, or Trigger's
+    trigger_attempt: int | None = None  # Trigger: decode goes first; its engine calls back for prefill
 
     @property
     def routed(self) -> Leg:

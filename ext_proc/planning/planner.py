@@ -43,6 +43,8 @@ class Planner:
         self._clock = clock
         decode = config.pool("decode")
         self._kv_params_required = decode is not None and decode.kv_connector == "nixl"
+        # Trigger callbacks reach the processor's admin port, never the public listener.
+        self.metaserver = f"http://{config.processor.host}:{config.processor.admin_port}/v1/metaserver"
 
     def passthrough(self) -> Passthrough:
         return Passthrough(self.scheduler.passthrough_hosts())
@@ -60,9 +62,9 @@ class Planner:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
         now = self._clock()
         if tokenized.complete and len(tokenized.prompts) == 1:
-            handoff = self._handoff(tokenized, now)
-            if handoff is not None:
-                return handoff
+            pair = self._trigger(tokenized, now) or self._handoff(tokenized, now)
+            if pair is not None:
+                return pair
         alone = self._alone(tokenized, now)
         if isinstance(alone, Rejection):
             code = "token_budget_exceeded" if alone.status == 429 else "no_healthy_instance"
@@ -114,6 +116,28 @@ class Planner:
             return None
         legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
         return TokenOnly(_kept(tokenized), legs, kv_params_required=self._kv_params_required)
+
+    def _trigger(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
+        """Decode first, on a Trigger-capable instance, when a prefill instance is healthy
+        too (it is picked and committed only when the decode engine calls back)."""
+        if Role.PREFILL not in self.scheduler.pools or Role.DECODE not in self.scheduler.pools:
+            return None
+        prompt, rid = tokenized.prompts[0], tokenized.request_id
+        max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
+        decode_request = ScheduleRequest(
+            f"{rid}-decode", prompt.token_ids, max_tokens, tokenized.n, charge_prompt=False
+        )
+        decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=Capability.TRIGGER)
+        if isinstance(decode, Rejection) or isinstance(self._pick_prefill(tokenized, now, 0), Rejection):
+            return None
+        params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": f"{self.metaserver}?attempt=0"}
+        leg = self._commit(decode, tokenized, max_tokens)
+        return TokenOnly(_kept(tokenized), (leg,), kv_transfer_params=params, trigger_attempt=0)
+
+    def trigger_prefill(self, plan: TokenOnly) -> Leg | None:
+        """The prefill leg a Trigger decode engine called for: picked and committed now."""
+        picked = self._pick_prefill(plan.tokenized, self._clock(), plan.trigger_attempt or 0)
+        return None if isinstance(picked, Rejection) else self._commit(picked, plan.tokenized, PREFILL_MAX_TOKENS)
 
     def _pick_prefill(
         self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()

@@ -4,6 +4,8 @@ prefill retries counted on breakers, and nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,30 +31,49 @@ class PdBench:
         return [r.json() for sim in self.sims(role) for r in sim.generate_requests()]
 
 
-@pytest.fixture
-def bench(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+@contextlib.contextmanager
+def _pd_gateway(stack: RunningStack, work: Path, decode_capabilities: list[str]) -> Iterator[PdBench]:
     """A gateway of its own per test (breaker state never carries over), ~2 s to start."""
     servers = {
         role: [SimServer(EngineSim()).start() for _ in range(n)]
         for role, n in (("prefill", 2), ("decode", 2), ("union", 1))
     }
     pools = [
-        {"name": role, "role": role, "instances": [{"port": s.sim.port} for s in group]}
+        {
+            "name": role,
+            "role": role,
+            "instances": [
+                {"port": s.sim.port, "capabilities": decode_capabilities if role == "decode" else []} for s in group
+            ],
+        }
         for role, group in servers.items()
     ]
     breaker = {"failure_threshold": 1, "base_cooldown_s": 60.0, "max_cooldown_s": 60.0}
     config, gateway = start_gateway(
-        stack, tmp_path, [], pools=pools, scheduler={"policy": "round_robin", "breaker": breaker}
+        stack, work, [], pools=pools, scheduler={"policy": "round_robin", "breaker": breaker}
     )
     bench = PdBench(SimGateway(config, gateway, []), servers)
     try:
         yield bench
         bench.gateway.assert_no_leaks()
+        assert bench.gateway.state()["trigger_waiting"] == 0
     finally:
         gateway.stop()
         for group in servers.values():
             for server in group:
                 server.stop()
+
+
+@pytest.fixture
+def bench(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    with _pd_gateway(stack, tmp_path, []) as pd:  # decode instances default to Handoff
+        yield pd
+
+
+@pytest.fixture
+def trigger(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    with _pd_gateway(stack, tmp_path, ["concurrent_engine_sync"]) as pd:
+        yield pd
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
@@ -129,3 +150,47 @@ def test_a_client_leaving_during_decode_leaves_nothing(bench: PdBench) -> None:
     while sum(s.streams_cut for s in bench.sims("decode")) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sum(s.streams_cut for s in bench.sims("decode")) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_trigger_sends_decode_first_and_prefill_when_its_engine_calls_back(trigger: PdBench, stream: bool) -> None:
+    response = httpx.post(
+        trigger.gateway.base_url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30
+    )
+    assert response.status_code == 200
+    [decode] = trigger.generate_calls("decode")
+    [prefill] = trigger.generate_calls("prefill")
+    metaserver = decode["kv_transfer_params"]["metaserver"]
+    assert metaserver == f"http://127.0.0.1:{trigger.gateway.config.processor.admin_port}/v1/metaserver?attempt=0"
+    assert decode["kv_transfer_params"]["do_remote_prefill"] is True and decode["stream"] is stream
+    assert [s for sim in trigger.sims("decode") for s in sim.trigger_callbacks] == [200]
+    # the callback's params, with the forced fields and without the metaserver
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill["kv_transfer_params"]["do_remote_prefill"] is False
+    assert "metaserver" not in prefill["kv_transfer_params"] and prefill["kv_transfer_params"]["remote_engine_id"]
+    assert prefill["sampling_params"]["max_tokens"] == 1 and prefill["sampling_params"]["min_tokens"] == 1
+    assert prefill["token_ids"] == decode["token_ids"] and trigger.generate_calls("union") == []
+
+
+def test_the_metaserver_refuses_unknown_requests_and_stale_attempts(trigger: PdBench) -> None:
+    for sim in trigger.sims("decode"):
+        sim.ttft_s = 1.0  # the request stays in flight after its callback
+    metaserver = f"http://127.0.0.1:{trigger.gateway.config.processor.admin_port}/v1/metaserver"
+    done: list[int] = []
+    thread = threading.Thread(
+        target=lambda: done.append(
+            httpx.post(trigger.gateway.base_url + "/v1/chat/completions", json=CHAT, timeout=30).status_code
+        )
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not any(s.generate_requests() for s in trigger.sims("decode")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [received] = [r for s in trigger.sims("decode") for r in s.generate_requests()]
+    known = {"request_id": "generate-tokens-" + received.headers["x-request-id"], "kv_transfer_params": {}}
+    assert httpx.post(metaserver + "?attempt=7", json=known, timeout=10).status_code == 409
+    unknown = {"request_id": "generate-tokens-chatcmpl-nobody", "kv_transfer_params": {}}
+    assert httpx.post(metaserver + "?attempt=0", json=unknown, timeout=10).status_code == 404
+    thread.join()
+    assert done == [200]
+    assert httpx.post(metaserver + "?attempt=0", json=known, timeout=10).status_code == 404  # finished: forgotten

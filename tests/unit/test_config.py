@@ -62,3 +62,10 @@ def test_the_public_route_table_decides_who_answers() -> None:
     duplicate = "[{method: GET, path: /h, handler: health}, {method: GET, path: /h, handler: passthrough}]"
     with pytest.raises(ValidationError):
         load_config(env={"TITO__LISTENER__ROUTES": duplicate})
+
+
+def test_handoff_and_trigger_instances_cannot_share_a_decode_pool() -> None:
+    pools = "[{name: p, role: prefill, instances: [{port: 1}]}, {name: d, role: decode, instances: [{port: 2}, {port: 3, capabilities: [concurrent_engine_sync]}]}]"
+    with pytest.raises(ValidationError, match="cannot be mixed"):
+        load_config(env={"TITO__POOLS": pools})
+    load_config(env={"TITO__POOLS": pools.replace("{port: 2}", "{port: 2, capabilities: [concurrent_engine_sync]}")})

@@ -17,6 +17,7 @@ from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.trigger import Triggers
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.server import build_scheduler
@@ -96,16 +97,17 @@ def engines() -> Engines:
 def _services(engines: Engines, pools: list[dict[str, Any]] = UNION, budget: int = 10 * LIMIT) -> Services:
     config = TitoConfig.model_validate({"listener": {"max_request_bytes": LIMIT}, "pools": pools})
     http = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
-    scheduler = build_scheduler(config)
     tokenization = FakeTokenization()
+    planner = Planner(config, tokenization, build_scheduler(config))  # type: ignore[arg-type]
     return Services(
         config=config,
         tokenization=tokenization,  # type: ignore[arg-type]
         derender=FakeDerender(),
-        planner=Planner(config, tokenization, scheduler),  # type: ignore[arg-type]
+        planner=planner,
         http=http,
         http_streams=CountingTransport(httpx.AsyncHTTPTransport()),
         inflight=ByteBudget(budget),
+        triggers=Triggers(planner, http, 5.0),
     )
 
 
@@ -351,6 +353,38 @@ async def test_pd_hybrid_serves_alone_on_a_colocated_decode_when_prefill_is_down
     set_headers, destination, body = _routed(await _run(exchange, _headers(), _body(CHAT)))
     assert destination == "127.0.0.1:8401" and "kv_transfer_params" not in body and engines.calls == []
     await _closed(services, exchange)
+
+
+TRIGGER = [PD[0], {**PD[1], "instances": [{"port": 8401, "capabilities": ["concurrent_engine_sync"]}]}]
+
+
+async def test_trigger_sends_decode_first_and_prefill_on_the_engines_callback(engines: Engines) -> None:
+    services = _services(engines, TRIGGER)
+    exchange = Exchange(services)
+    exchange.start(_messages(_headers(), _body({**CHAT, "stream": True})))
+    replies = [await exchange.outbox.get() for _ in range(2)]
+    set_headers, destination, decode = _routed(replies)
+    assert destination == "127.0.0.1:8401" and engines.calls == []  # decode first
+    params = decode["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    metaserver, attempt = params["metaserver"].split("?attempt=")
+    assert metaserver == "http://127.0.0.1:9003/v1/metaserver" and attempt == "0"
+    engine_id = "generate-tokens-" + set_headers["x-request-id"]
+    call = orjson.dumps({"request_id": engine_id, "kv_transfer_params": {**params, "remote_port": 5}})
+    assert (await services.triggers.callback("1", call))[0] == 409  # stale attempt
+    assert (await services.triggers.callback("0", orjson.dumps({"request_id": "nope"})))[0] == 404
+    assert await services.triggers.callback("0", call) == (200, {"status": "ok"})
+    [(target, prefill)] = engines.calls
+    assert target.startswith("127.0.0.1:830") and target.endswith("/inference/v1/generate")
+    assert prefill["kv_transfer_params"] == {"do_remote_prefill": False, "do_remote_decode": True, "remote_port": 5}
+    assert prefill["sampling_params"]["max_tokens"] == 1 and prefill["sampling_params"]["min_tokens"] == 1
+    assert prefill["stream"] is False
+    assert (await services.triggers.callback("0", call))[0] == 409  # prefill already sent
+    assert services.scheduler.ledger.active_leases == 2  # prefill held until decode's first chunk
+    await _run(exchange, _response_headers(200, "text/event-stream"), _response_body(b"data: [DONE]\n\n", True))
+    assert services.scheduler.ledger.active_leases == 1
+    await _closed(services, exchange)
+    assert len(services.triggers) == 0
 
 
 # -- the edge ------------------------------------------------------------------------------
