@@ -69,7 +69,6 @@ class Exchange(EnvoyStream):
         self._headers = headers = msg.header_map(message)
         limit = self._s.config.listener.max_request_bytes
         handler = self._s.config.listener.handler(headers.get(":method", ""), headers.get(":path", ""))
-        declared = headers.get("content-length", "")
         if handler is None:  # Envoy's route table answers these itself; never forward one
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
         elif handler == "health":
@@ -78,7 +77,7 @@ class Exchange(EnvoyStream):
         elif handler == "passthrough":
             self._plan, self.mode = self._s.planner.passthrough(), Mode.FORWARD
             yield msg.request_headers_reply(remove=self._unforwarded(), destination=",".join(self._plan.hosts))
-        elif declared.isdigit() and int(declared) > limit:
+        elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
         elif message.end_of_stream:
             for reply in self._local(
