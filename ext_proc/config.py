@@ -181,7 +181,6 @@ class BreakerSettings(_Strict):
 
 class SchedulerConfig(_Strict):
     policy: Literal["kv_cache_affinity", "load_balance", "round_robin"] = "kv_cache_affinity"
-    block_size: int = 16  # the engines' KV block size (vLLM's default)
     prefix_index_max_blocks: int = 1 << 20
     # kv_cache_affinity score (Motor's unified mode), lowest wins
     prefill_load_scale: float = 1.0

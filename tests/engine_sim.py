@@ -208,18 +208,11 @@ class EngineSim:
             }
         )
 
-    async def _stream(
-        self,
-        request_id: str,
-        tokens: list[int],
-        usage: dict[str, int],
-        include_usage: bool,
-        fault: Fault | None,
-        end: tuple[str, int | str | None, int | None] = ("length", None, None),
-    ) -> AsyncIterator[bytes]:
+    async def _stream(self, *args: Any) -> AsyncIterator[bytes]:
+        """`_events`, counting the streams the client (Envoy) left before the end."""
         finished = False
         try:
-            async for event in self._events(request_id, tokens, usage, include_usage, fault, end):
+            async for event in self._events(*args):
                 yield event
             finished = True
         finally:

@@ -62,7 +62,7 @@ class Planner:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
         now = self._clock()
         if tokenized.complete and len(tokenized.prompts) == 1:
-            pair = self._trigger(tokenized, now) or self._handoff(tokenized, now)
+            pair = self._pair(tokenized, now)
             if pair is not None:
                 return pair
         alone = self._alone(tokenized, now)
@@ -100,26 +100,10 @@ class Planner:
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
         return ScheduleRequest(tokenized.request_id, first.token_ids, budget(first), n, others)
 
-    def _handoff(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
-        """Prefill then decode, when a healthy Handoff pair exists (None: serve alone)."""
-        pools = self.scheduler.pools
-        if Role.PREFILL not in pools or Role.DECODE not in pools:
-            return None
-        prompt, rid = tokenized.prompts[0], tokenized.request_id
-        max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
-        decode_request = ScheduleRequest(
-            f"{rid}-decode", prompt.token_ids, max_tokens, tokenized.n, charge_prompt=False
-        )
-        decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=Capability.HANDOFF)
-        prefill = self._pick_prefill(tokenized, now, attempt=0)
-        if isinstance(decode, Rejection) or isinstance(prefill, Rejection):
-            return None
-        legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
-        return TokenOnly(_kept(tokenized), legs, kv_params_required=self._kv_params_required)
-
-    def _trigger(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
-        """Decode first, on a Trigger-capable instance, when a prefill instance is healthy
-        too (it is picked and committed only when the decode engine calls back)."""
+    def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
+        """Prefill and decode, when a healthy pair exists (None: serve alone). Trigger when
+        the decode instance calls back for its prefill (the prefill leg is committed only
+        then), else Handoff (the prefill leg goes first)."""
         if Role.PREFILL not in self.scheduler.pools or Role.DECODE not in self.scheduler.pools:
             return None
         prompt, rid = tokenized.prompts[0], tokenized.request_id
@@ -127,12 +111,24 @@ class Planner:
         decode_request = ScheduleRequest(
             f"{rid}-decode", prompt.token_ids, max_tokens, tokenized.n, charge_prompt=False
         )
-        decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=Capability.TRIGGER)
-        if isinstance(decode, Rejection) or isinstance(self._pick_prefill(tokenized, now, 0), Rejection):
+        prefill = self._pick_prefill(tokenized, now, attempt=0)
+        if isinstance(prefill, Rejection):
             return None
-        params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": f"{self.metaserver}?attempt=0"}
-        leg = self._commit(decode, tokenized, max_tokens)
-        return TokenOnly(_kept(tokenized), (leg,), kv_transfer_params=params, trigger_attempt=0)
+        for mode in (Capability.TRIGGER, Capability.HANDOFF):
+            decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=mode)
+            if isinstance(decode, Rejection):
+                continue
+            if mode is Capability.TRIGGER:
+                params = {
+                    "do_remote_decode": False,
+                    "do_remote_prefill": True,
+                    "metaserver": f"{self.metaserver}?attempt=0",
+                }
+                leg = self._commit(decode, tokenized, max_tokens)
+                return TokenOnly(_kept(tokenized), (leg,), kv_transfer_params=params, trigger_attempt=0)
+            legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
+            return TokenOnly(_kept(tokenized), legs, kv_params_required=self._kv_params_required)
+        return None
 
     def trigger_prefill(self, plan: TokenOnly) -> Leg | None:
         """The prefill leg a Trigger decode engine called for: picked and committed now."""
