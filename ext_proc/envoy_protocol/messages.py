@@ -18,6 +18,7 @@ LB_NAMESPACE = "envoy.lb"
 # (already OpenAI) bodies through and formats only its own replies (envoy/envoy.yaml.j2).
 ANSWERED_NAMESPACE = "tito"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
+RETRIES_HEADER = "x-envoy-max-retries"  # set by the processor only (a client's is removed)
 JSON = "application/json"
 HIDDEN_RESPONSE_HEADERS = (
     "content-length",
@@ -185,17 +186,17 @@ def response_reply(out: Out) -> ext_proc_pb.ProcessingResponse:
 
 def routed_replies(plan: Native | TokenOnly, remove: tuple[str, ...]) -> list[ext_proc_pb.ProcessingResponse]:
     """The request as planned, to the engine Envoy will route it to: a native body as it is,
-    or the routed leg's generate body on `/inference/v1/generate`."""
-    if isinstance(plan, Native):
-        return [
-            request_headers_reply(remove=remove, destination=",".join(plan.hosts)),
-            *request_body_replies(plan.body),
-        ]
-    leg = plan.routed
-    set_headers = {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": leg.lease_id}
+    or the routed leg's generate body on `/inference/v1/generate`.
+
+    Envoy retries (before the first byte) only on the listed hosts: one cluster holds every
+    engine of every role, and a retry past the list would land on any of them."""
+    hosts = plan.hosts if isinstance(plan, Native) else plan.routed.hosts
+    set_headers = {RETRIES_HEADER: str(len(hosts) - 1)}
+    if isinstance(plan, TokenOnly):
+        set_headers |= {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": plan.routed.lease_id}
+        remove = ("content-length", *remove)
     headers = request_headers_reply(
-        set_headers=set_headers,
-        remove=["content-length", *(h for h in remove if h not in set_headers)],
-        destination=",".join(leg.hosts),
+        set_headers=set_headers, remove=[h for h in remove if h not in set_headers], destination=",".join(hosts)
     )
-    return [headers, *request_body_replies(routed_body(plan))]
+    body = plan.body if isinstance(plan, Native) else routed_body(plan)
+    return [headers, *request_body_replies(body)]

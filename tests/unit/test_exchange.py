@@ -214,6 +214,7 @@ async def test_token_only_plan_streams_through_derender(engines: Engines) -> Non
     replies = await _run(exchange, _headers(), _body({**CHAT, "stream": True}))
     set_headers, destination, body = _routed(replies)
     assert set_headers[":path"] == "/inference/v1/generate"
+    assert set_headers["x-envoy-max-retries"] == "1"  # only the other listed instance
     assert set_headers["x-request-id"] == "chatcmpl-" + exchange._request_id == body["request_id"]
     assert body["token_ids"] == [1, 2, 3, 4] and body["sampling_params"]["max_tokens"] == 4
     assert services.scheduler.ledger.total_tokens == 4 + 4
@@ -290,7 +291,7 @@ async def test_handoff_runs_prefill_then_routes_decode_with_its_params(engines: 
     assert "min_tokens" not in prefill["sampling_params"]
     assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
     set_headers, destination, decode = _routed(replies)
-    assert destination == "127.0.0.1:8401"
+    assert destination == "127.0.0.1:8401" and set_headers["x-envoy-max-retries"] == "0"
     assert set_headers["x-request-id"] == f"chatcmpl-{exchange._request_id}-decode" == decode["request_id"]
     params = {"do_remote_prefill": True, "remote_engine_id": target.split("/")[0]}
     assert decode["kv_transfer_params"] == params and decode["sampling_params"]["extra_args"] == {
