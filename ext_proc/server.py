@@ -43,6 +43,11 @@ log = logging.getLogger("tito.ext_proc")
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, services: Services) -> None:
         self._services = services
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def Process(  # noqa: N802 - the gRPC method name
         self,
@@ -51,6 +56,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
     ) -> AsyncIterator[ext_proc_pb.ProcessingResponse]:
         exchange = Exchange(self._services)
         exchange.start(request_iterator)
+        # gRPC may drop this generator suspended (the RPC cancelled while a reply was being
+        # sent) and never resume it: the exchange is closed when the RPC ends, whatever happens.
+        loop = asyncio.get_running_loop()
+        context.add_done_callback(lambda _: self._track(loop.create_task(exchange.aclose())))
         try:
             while (reply := await exchange.outbox.get()) is not None:
                 yield reply
