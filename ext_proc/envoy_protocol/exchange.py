@@ -47,6 +47,10 @@ class Exchange(EnvoyStream):
         self._verdict = Verdict()
         services.active_exchanges += 1
 
+    @property
+    def answered(self) -> bool:
+        return self.mode is Mode.LOCAL
+
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
         routed_lease = routed(self._plan)[0]
@@ -62,8 +66,6 @@ class Exchange(EnvoyStream):
         if kind is not None and hasattr(self, f"_on_{kind}"):
             async for reply in getattr(self, f"_on_{kind}")(getattr(message, kind)):
                 yield reply
-
-    # -- request ----------------------------------------------------------------------------
 
     async def _on_request_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         self._headers = headers = msg.header_map(message)
@@ -135,8 +137,6 @@ class Exchange(EnvoyStream):
     def _unforwarded(self) -> tuple[str, ...]:  # request headers removed: all but the forwarded few
         return (msg.DESTINATION_KEY, *msg.unforwarded_headers(self._headers))
 
-    # -- answers ----------------------------------------------------------------------------
-
     def _local(self, answer: Local) -> list[ext_proc_pb.ProcessingResponse]:  # after the body's end
         self.mode = Mode.LOCAL
         return msg.local_response(answer.status, answer.body)
@@ -157,8 +157,6 @@ class Exchange(EnvoyStream):
             self._handler.done = True
             return [msg.response_body_reply(sse_event(error.body) + DONE_EVENT, True)]
         return [self._refuse(error)]
-
-    # -- response ---------------------------------------------------------------------------
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         headers = msg.header_map(message)

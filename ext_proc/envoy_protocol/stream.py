@@ -32,6 +32,11 @@ class EnvoyStream:
     def release(self) -> None:
         """Give back what the stream holds (after every task it started has ended)."""
 
+    @property
+    def answered(self) -> bool:
+        """The processor gave its final answer: nothing Envoy sends can change it."""
+        return False
+
     def start(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
         self.spawn(self._read(messages))
 
@@ -51,6 +56,10 @@ class EnvoyStream:
                     log.exception("processor error on %s", message.WhichOneof("request"))
                     for reply in self.on_bug():
                         self.outbox.put_nowait(reply)
+                if self.answered:
+                    # End the call from this side: Envoy may keep it open while it drains a
+                    # client's upload, and the stream's resources would wait with it.
+                    break
         finally:
             self.outbox.put_nowait(None)
 
