@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -29,6 +31,7 @@ class Services:
     triggers: Triggers
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
+    live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
     native_replays: int = 0
 
     @property

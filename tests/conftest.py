@@ -192,7 +192,7 @@ class SimGateway:
             if not any(leaks.values()):
                 return state
             if time.monotonic() > deadline:
-                raise AssertionError(f"leaked after the requests ended: {leaks}")
+                raise AssertionError(f"leaked after the requests ended: {leaks} {state.get('exchanges')}")
             time.sleep(0.05)
 
 

@@ -46,6 +46,10 @@ class Exchange(EnvoyStream):
         self._handler: ResponseHandler | None = None
         self._verdict = Verdict()
         services.active_exchanges += 1
+        services.live.add(self)
+
+    def describe(self) -> dict[str, Any]:
+        return {"request": self._request_id, "mode": self.mode.value, "plan": type(self._plan).__name__}
 
     @property
     def answered(self) -> bool:

@@ -37,6 +37,10 @@ class EnvoyStream:
         """The processor gave its final answer: nothing Envoy sends can change it."""
         return False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def start(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
         self.spawn(self._read(messages))
 
