@@ -21,7 +21,9 @@ from ext_proc.services import Services
 def state(services: Services) -> dict[str, Any]:
     return {
         "active_exchanges": services.active_exchanges,
-        "exchanges": [e.describe() for e in list(services.live)[:20] if not e.closed],
+        "exchanges": [
+            {"request": e.request_id, "mode": e.mode.value} for e in list(services.live)[:20] if not e.closed
+        ],
         "open_http_streams": services.http_streams.open_streams + services.http_streams.in_flight,
         "native_replays": services.native_replays,
         "trigger_waiting": len(services.triggers),

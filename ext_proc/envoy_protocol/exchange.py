@@ -40,16 +40,13 @@ class Exchange(EnvoyStream):
         self._api: ApiKind | None = None
         self._held = StreamBytes(services.inflight)
         self._body = RequestBody(services.config.listener.max_request_bytes, self._held)
-        self._request_id = uuid4().hex  # ours, never a client's
+        self.request_id = uuid4().hex  # ours, never a client's
         self._plan: Plan | None = None
         self._leases: list[str] = []
         self._handler: ResponseHandler | None = None
         self._verdict = Verdict()
         services.active_exchanges += 1
         services.live.add(self)
-
-    def describe(self) -> dict[str, Any]:
-        return {"request": self._request_id, "mode": self.mode.value, "plan": type(self._plan).__name__}
 
     @property
     def answered(self) -> bool:
@@ -117,7 +114,7 @@ class Exchange(EnvoyStream):
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
         raw = self._body.take()
-        plan = await self._s.planner.plan(self._api, self._headers.get("content-type"), raw, self._request_id)
+        plan = await self._s.planner.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly) and plan.prefill is not None:
             try:
@@ -153,7 +150,7 @@ class Exchange(EnvoyStream):
         return msg.immediate_response(error.status, error.body)
 
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
-        message = f"internal gateway error (request {self._request_id})"
+        message = f"internal gateway error (request {self.request_id})"
         error = GatewayError(500, message, code="internal_error")
         if self.mode is Mode.LOCAL or (self._handler is not None and self._handler.done):
             return []

@@ -73,5 +73,9 @@ class EnvoyStream:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.release()
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            # Even when this wait is itself cancelled (gRPC tears the call's task down):
+            # what the stream holds goes back exactly once.
+            self.release()

@@ -215,7 +215,7 @@ async def test_token_only_plan_streams_through_derender(engines: Engines) -> Non
     set_headers, destination, body = _routed(replies)
     assert set_headers[":path"] == "/inference/v1/generate"
     assert set_headers["x-envoy-max-retries"] == "1"  # only the other listed instance
-    assert set_headers["x-request-id"] == "chatcmpl-" + exchange._request_id == body["request_id"]
+    assert set_headers["x-request-id"] == "chatcmpl-" + exchange.request_id == body["request_id"]
     assert body["token_ids"] == [1, 2, 3, 4] and body["sampling_params"]["max_tokens"] == 4
     assert services.scheduler.ledger.total_tokens == 4 + 4
     event = b'data: {"choices":[{"index":0,"token_ids":[7]}]}\n\n'
@@ -292,7 +292,7 @@ async def test_handoff_runs_prefill_then_routes_decode_with_its_params(engines: 
     assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
     set_headers, destination, decode = _routed(replies)
     assert destination == "127.0.0.1:8401" and set_headers["x-envoy-max-retries"] == "0"
-    assert set_headers["x-request-id"] == f"chatcmpl-{exchange._request_id}-decode" == decode["request_id"]
+    assert set_headers["x-request-id"] == f"chatcmpl-{exchange.request_id}-decode" == decode["request_id"]
     params = {"do_remote_prefill": True, "remote_engine_id": target.split("/")[0]}
     assert decode["kv_transfer_params"] == params and decode["sampling_params"]["extra_args"] == {
         "kv_transfer_params": params
@@ -399,7 +399,7 @@ async def test_a_processor_bug_is_a_generic_500_with_the_request_id(engines: Eng
     replies = [r async for r in _drain(exchange)]
     status, body = _immediate(replies)
     assert status == 500 and body["error"]["code"] == "internal_error"
-    assert "secret" not in body["error"]["message"] and exchange._request_id in body["error"]["message"]
+    assert "secret" not in body["error"]["message"] and exchange.request_id in body["error"]["message"]
     await _closed(services, exchange)
 
 
