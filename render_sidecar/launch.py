@@ -60,15 +60,18 @@ def engine_command(
 ) -> list[str]:
     """An engine serving token-only generate and, as the native reference, OpenAI routes. A
     prefill or decode engine also gets its side of the pool's KV connector (ExampleConnector:
-    KV through a shared folder; vllm-pd-and-kv-events-on-cpu.md §1)."""
+    KV through a shared folder; NixlConnector: pulled over UCX; vllm-pd-and-kv-events-on-cpu.md §1)."""
     args = model_flags(model, model_path) + ["--host", host, "--port", str(port), "--enable-scale-out"]
-    if role != "union" and kv_connector == "example":
+    if role != "union" and kv_connector != "none":
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        transfer = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {"shared_storage_path": kv_dir},
-        }
+        transfer: dict[str, object] = {"kv_role": kv_role}
+        if kv_connector == "example":
+            transfer |= {
+                "kv_connector": "ExampleConnector",
+                "kv_connector_extra_config": {"shared_storage_path": kv_dir},
+            }
+        else:  # NIXL over UCX in CPU memory; each engine needs its own side-channel port (env)
+            transfer |= {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
         args += ["--kv-transfer-config", json.dumps(transfer)]
     if has_vllm_cli():
         return ["vllm", "serve", *args]

@@ -126,11 +126,13 @@ class LocalStack:
         }
         kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
         kv_dir.mkdir(parents=True, exist_ok=True)
-        for name, pool, instance in self._engines():
+        for n, (name, pool, instance) in enumerate(self._engines()):
             command = engine_command(
                 model, self.model_path, instance.host, instance.port, pool.role, pool.kv_connector, str(kv_dir)
             )
-            self._add(name, command, engine_env)
+            # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
+            side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
+            self._add(name, command, {**engine_env, **(side_channel if pool.kv_connector == "nixl" else {})})
 
     def _engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
         """Every engine of every pool, named `engine0` (a lone union pool) or `prefill0`, `decode0`, ..."""
