@@ -2,7 +2,7 @@
 
 Starts render sidecar + CPU vLLM engine + processor + Envoy on free ports (logs under
 --work-dir), and for each --max-tokens value runs the same streaming workload against the Envoy
-listener and the engine's own OpenAI endpoint, interleaved (ext_proc/bench.py). The engine is
+listener and the engine's own OpenAI endpoint, interleaved (ext_proc/tools/bench.py). The engine is
 both the gateway's upstream and the native reference, so the difference is what the gateway
 adds: render, scheduling, the ext_proc round trips and derender.
 

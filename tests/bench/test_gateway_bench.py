@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ext_proc import bench
+from ext_proc.tools import bench
 from tests.conftest import RunningStack
 
 

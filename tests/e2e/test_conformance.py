@@ -1,5 +1,5 @@
 """The product promise, case by case: for the same engine, seed and request, the gateway's
-OpenAI answer equals the engine's native one (ext_proc/conformance.py), for each derender
+OpenAI answer equals the engine's native one (ext_proc/tools/conformance.py), for each derender
 mode. The first tests check the checker itself on made-up answers, so a difference in the
 real runs cannot go unnoticed because the comparison is blind to it."""
 
