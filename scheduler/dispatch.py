@@ -107,11 +107,12 @@ class Scheduler:
     @property
     def pool(self) -> Pool:
         """The pool that serves requests alone (union), else the decode pool."""
-        return self.pools.get(Role.UNION) or self.pools[Role.DECODE]
+        return self.pools[Role.UNION if Role.UNION in self.pools else Role.DECODE]
 
     @property
     def prefix_index(self) -> PrefixIndex:
-        return self.prefix_indexes.get(Role.UNION) or self.prefix_indexes[Role.PREFILL]
+        role = Role.UNION if Role.UNION in self.prefix_indexes else Role.PREFILL  # (an empty index is falsy)
+        return self.prefix_indexes[role]
 
     def mark_token_only_unsupported(self, address: str) -> None:
         if address in self.breakers:
