@@ -65,19 +65,27 @@ class InProcessDerender:
 
 class _InProcessStream:
     def __init__(self, model: DerenderModel, request: TokenizedRequest, prompt_index: int) -> None:
-        self._args = (model, request, prompt_index)
-        self._session: Any = None
+        self._request_id = request.request_id
+        # Made now, off the loop, while the engine computes the first token (it validates
+        # the whole client request, which may be megabytes of messages, and builds the
+        # parsers: 1-3 ms that would otherwise delay the first chunk); a failure is a stream
+        # error at the first event.
+        self._session = asyncio.ensure_future(asyncio.to_thread(stream_session, model, request, prompt_index))
+        self._session.add_done_callback(_consume_error)
 
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         try:
-            if self._session is None:
-                # Made on the first event (a failure is a stream error), off the loop: it
-                # validates the whole client request, which may be megabytes of messages.
-                self._session = await asyncio.to_thread(stream_session, *self._args)
-            return bytes(self._session.steps([event for event, _ in events]))
+            session = await asyncio.shield(self._session)
+            return bytes(session.steps([event for event, _ in events]))
         except Exception as exc:
-            log.exception("in-process stream derender failed for %s", self._args[1].request_id)
+            log.exception("in-process stream derender failed for %s", self._request_id)
             raise GatewayError(500, "derender failed", code="derender_failed") from exc
+
+
+def _consume_error(future: asyncio.Future[Any]) -> None:
+    """A session nobody fed (the client left first) must not log 'exception never retrieved'."""
+    if not future.cancelled():
+        future.exception()
 
 
 def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
