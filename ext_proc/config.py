@@ -103,6 +103,9 @@ class ProcessorConfig(_Strict):
     # any burst of uploads (the rest is transport buffers). Raise it for many large bodies.
     max_inflight_bytes: int | None = None
     fallback_tokenizer_timeout_s: float = 10.0  # the local tokenizer's chat template, per request
+    # Processor-owned streams (fan-out, relay): SSE pieces waiting for the client, per request;
+    # when full, the engine streams wait (backpressure), nothing is dropped.
+    owned_queue_depth: int = 32
 
 
 class RenderConfig(_Strict):
@@ -194,6 +197,17 @@ class SchedulerConfig(_Strict):
     breaker: BreakerSettings = BreakerSettings()
 
 
+class RescheduleConfig(_Strict):
+    """Relay (RFC 流式 replay 与重调度): a streaming single-prompt request whose engine fails
+    mid-stream goes on on another instance from the ids the client already has. When on,
+    those requests take the processor-owned path (the processor runs the engine stream)."""
+
+    enable: bool = False
+    max_attempts: int = 3  # engine streams per request, the first included
+    first_token_timeout_s: float = 60.0  # no first event this long: the engine is stalled
+    inter_token_timeout_s: float = 30.0  # no next event this long: the engine is stalled
+
+
 class AdmissionConfig(_Strict):
     """Token budgets (prompt tokens + max_tokens of every active request); None is unlimited."""
 
@@ -218,6 +232,7 @@ class TitoConfig(_Strict):
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     scheduler: SchedulerConfig = SchedulerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    reschedule: RescheduleConfig = RescheduleConfig()
     local: LocalStackConfig = LocalStackConfig()
 
     @model_validator(mode="after")

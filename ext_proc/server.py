@@ -63,6 +63,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         try:
             while (reply := await exchange.outbox.get()) is not None:
                 yield reply
+                exchange.outbox.task_done()  # gRPC took it (`EnvoyStream.send` waits for this)
         except asyncio.CancelledError:
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)

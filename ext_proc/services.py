@@ -13,8 +13,10 @@ from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.responses import Outs, replay_native
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
+from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.planning.planner import Planner
 from scheduler import Scheduler
 
@@ -33,7 +35,18 @@ class Services:
     active_exchanges: int = 0
     live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
     native_replays: int = 0
+    owned_queue_depth_max: int = 0  # the fullest a processor-owned stream's queue got (backpressure)
 
     @property
     def scheduler(self) -> Scheduler:
         return self.planner.scheduler
+
+    def replay_native(self, plan: Plan | None, served_by: str | None, end: bool) -> Outs:
+        """The engine has no token-only generate and sent nothing yet: the same request once
+        more on its native endpoint, from the processor; remembered for that instance."""
+        assert isinstance(plan, TokenOnly)
+        address = served_by or plan.routed.hosts[0]
+        self.scheduler.mark_token_only_unsupported(address)
+        self.native_replays += 1
+        timeout = self.config.listener.stream_idle_timeout_s
+        return replay_native(self.http, address, plan.tokenized.request, timeout, end)

@@ -124,10 +124,11 @@ class EngineSim:
         fault = self.fault
         if fault is None:
             return None
-        if fault.times is not None:
-            fault.times -= 1
+        if fault.times is not None:  # one Fault may be shared by several sims: hits counted across them
             if fault.times <= 0:
                 self.fault = None
+                return None
+            fault.times -= 1
         return fault
 
     # -- routes -------------------------------------------------------------------------
@@ -153,14 +154,19 @@ class EngineSim:
         request_id = "generate-tokens-" + (
             request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
         )
-        tokens = (self.tokens or self.script(body["token_ids"], max_tokens))[:max_tokens]
+        n = int(params.get("n", 1))  # choice c > 0 is scripted from the prompt and c
+        outputs = [
+            (self.tokens or self.script(body["token_ids"] + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)
+        ]
+        tokens = outputs[0]
         finish = self.finish_reason if self.tokens and len(self.tokens) <= max_tokens else "length"
         stop_reason = self.stop_reason if finish == "stop" else None
         top_k = params.get("logprobs")
+        completion = sum(len(output) for output in outputs)
         usage = {
             "prompt_tokens": len(body["token_ids"]),
-            "total_tokens": len(body["token_ids"]) + len(tokens),
-            "completion_tokens": len(tokens),
+            "total_tokens": len(body["token_ids"]) + completion,
+            "completion_tokens": completion,
         }
         kv_params = body.get("kv_transfer_params") or {}
         if kv_params.get("metaserver"):  # a Trigger decode leg: ask the gateway for the prefill first
@@ -168,13 +174,13 @@ class EngineSim:
             if status != 200:
                 return _error(500, f"trigger callback answered {status}", "KVTransferError")
         if kv_params.get("do_remote_decode"):  # a prefill leg: one token, KV kept for decode
-            tokens, finish = tokens[:1], "length"
+            outputs, finish = [tokens[:1]], "length"
             kv_params = self.prefill_params(request_id, body["token_ids"])
         else:
             kv_params = None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self._stream(request_id, tokens, usage, include_usage, fault, (finish, stop_reason, top_k))
+            events = self._stream(request_id, outputs, usage, include_usage, fault, (finish, stop_reason, top_k))
             return StreamingResponse(events, media_type="text/event-stream")
         if self.ttft_s or self.token_delay_s:
             await asyncio.sleep(self.ttft_s + self.token_delay_s * len(tokens))
@@ -195,15 +201,16 @@ class EngineSim:
                 **({"padding": "x" * self.pad_bytes} if self.pad_bytes else {}),
                 "choices": [
                     {
-                        "index": 0,
+                        "index": c,
                         "finish_reason": finish,
                         "stop_reason": stop_reason,
-                        "token_ids": tokens,
+                        "token_ids": output,
                         "routed_experts": None,
                         "sampling_mask": None,
-                        "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}],
-                        "logprobs": _logprobs(tokens, top_k),
+                        "weight_versions": [{"version": "default", "start": 0, "end": len(output)}],
+                        "logprobs": _logprobs(output, top_k),
                     }
+                    for c, output in enumerate(outputs)
                 ],
             }
         )
@@ -221,16 +228,17 @@ class EngineSim:
     async def _events(
         self,
         request_id: str,
-        tokens: list[int],
+        outputs: list[list[int]],
         usage: dict[str, int],
         include_usage: bool,
         fault: Fault | None,
         end: tuple[str, int | str | None, int | None],
     ) -> AsyncIterator[bytes]:
+        """One event per step and choice (choices interleaved, as the engine emits them)."""
         finish, stop_reason, top_k = end
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
-        for i, token in enumerate(tokens):
+        for i in range(max(len(output) for output in outputs)):
             if fault is not None and i == fault.after_tokens:
                 if fault.kind == "inband_error":
                     yield _sse(
@@ -253,18 +261,21 @@ class EngineSim:
                     yield _sse({"request_id": request_id, "choices": 5})
             if self.token_delay_s and i:
                 await asyncio.sleep(self.token_delay_s)
-            last = i == len(tokens) - 1
-            choice = {
-                "index": 0,
-                "finish_reason": finish if last else None,
-                "stop_reason": stop_reason if last else None,
-                "token_ids": [token],
-                "routed_experts": None,
-                "sampling_mask": None,
-                "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
-                "logprobs": _logprobs([token], top_k),
-            }
-            yield _sse({"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": [choice]})
+            for c, tokens in enumerate(outputs):
+                if i >= len(tokens):
+                    continue
+                last = i == len(tokens) - 1
+                choice = {
+                    "index": c,
+                    "finish_reason": finish if last else None,
+                    "stop_reason": stop_reason if last else None,
+                    "token_ids": [tokens[i]],
+                    "routed_experts": None,
+                    "sampling_mask": None,
+                    "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
+                    "logprobs": _logprobs([tokens[i]], top_k),
+                }
+                yield _sse({"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": [choice]})
         if include_usage:
             yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
         yield b"data: [DONE]\n\n"

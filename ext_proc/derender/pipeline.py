@@ -22,7 +22,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.derender.in_process import DerenderModel, derender_whole, stream_session
 from ext_proc.derender.sidecar import DerenderClient, SidecarDerender
 from ext_proc.derender.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
-from ext_proc.errors import GatewayError, error_payload
+from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
 from ext_proc.protocol import TokenizedRequest
 
@@ -124,52 +124,49 @@ class StreamDerender:
         for payload in payloads:
             if self.done:
                 break
-            event = self._parse(payload)
-            if event is not None:
+            event = parse_event(payload)
+            if isinstance(event, dict):
                 waiting.append((event, payload))
                 continue
-            out += await self._steps(waiting)
+            out += await self.step(waiting)
             waiting = []
-            if not self.done:
-                out += self._end(payload)
+            if self.done:
+                break
+            if event is None:
+                self.done = True
+                out += DONE_EVENT
+            else:
+                out += self.fail(event)
         if waiting and not self.done:
-            out += await self._steps(waiting)
+            out += await self.step(waiting)
         return bytes(out)
 
-    def _parse(self, payload: bytes) -> dict[str, Any] | None:
-        if payload == DONE:
-            return None
-        try:
-            event = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(event, dict) or "error" in event:
-            return None
-        return event
-
-    def _end(self, payload: bytes) -> bytes:
-        """[DONE], an in-band engine error, or an event that is not JSON."""
-        if payload == DONE:
-            self.done = True
-            return DONE_EVENT
-        try:
-            event = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return self._fail(502, "engine sent an invalid stream event", "engine_invalid_event")
-        error = event.get("error") if isinstance(event, dict) else None
-        if error is None:
-            return self._fail(502, "engine sent an invalid stream event", "engine_invalid_event")
-        error = error if isinstance(error, dict) else {"message": str(error)}
-        return self._fail(500, str(error.get("message", "engine error")), error.get("code") or "engine_error")
-
-    async def _steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+    async def step(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        """Generate events (parsed, with their payloads) -> SSE bytes; a failure is an error event."""
         if not events:
             return b""
         try:
             return await self._session.steps(events)
         except GatewayError as exc:
-            return self._fail(exc.status, exc.message, exc.code)
+            return self.fail(exc)
 
-    def _fail(self, status: int, message: str, code: str | int | None) -> bytes:
+    def fail(self, error: GatewayError) -> bytes:
         self.done = True
-        return sse_event(orjson.dumps(error_payload(status, message, code=code))) + DONE_EVENT
+        return sse_event(error.body) + DONE_EVENT
+
+
+def parse_event(payload: bytes) -> dict[str, Any] | GatewayError | None:
+    """One generate SSE payload, parsed once: an event, None for `[DONE]`, or the error it
+    means (an in-band engine error: 500 `engine_error`; anything else: 502)."""
+    if payload == DONE:
+        return None
+    try:
+        event = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return GatewayError(502, "engine sent an invalid stream event", code="engine_invalid_event")
+    if not isinstance(event, dict):
+        return GatewayError(502, "engine sent an invalid stream event", code="engine_invalid_event")
+    if "error" not in event:
+        return event
+    error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
+    return GatewayError(500, str(error.get("message", "engine error")), code=error.get("code") or "engine_error")

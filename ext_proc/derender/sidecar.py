@@ -260,6 +260,7 @@ class SidecarStream:
         self._client = client
         self._request = request
         prompt = request.prompts[prompt_index]
+        self._index_shift = prompt_index * request.n  # a batch's global choice index, as natively
         self._states: dict[int, Any] = {}
         self._static = (
             b',"prompt_tokens":' + orjson.dumps(len(prompt.token_ids)) + _static_fields(client, request) + b"}"
@@ -315,6 +316,8 @@ class SidecarStream:
             if self._completion_top is not None:
                 self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
+        for choice in chunk.get("choices") or ():
+            choice["index"] = int(choice.get("index", 0)) + self._index_shift
         if not choices:  # the usage chunk: native serializes it without nulls
             chunk = _without_nulls(chunk)
             if self._events is not None and isinstance(chunk.get("usage"), dict):

@@ -6,19 +6,21 @@ into the client's. The stream's tasks and outbox: `stream.py`."""
 from __future__ import annotations
 
 import enum
+from functools import partial
 from typing import Any
 from uuid import uuid4
 
 from ext_proc.byte_budget import StreamBytes
 from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.envoy_protocol import messages as msg
+from ext_proc.envoy_protocol.owned import OwnedAnswer
 from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
 from ext_proc.legs.prefill import handoff
-from ext_proc.legs.responses import Outs, Refuse, ResponseHandler, StreamResponse, handler_for, replay_native
-from ext_proc.planning.plan import Local, Passthrough, Plan, TokenOnly, lease_ids, routed
+from ext_proc.legs.responses import Refuse, ResponseHandler, StreamResponse, handler_for
+from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
 from ext_proc.protocol import ApiKind
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
@@ -29,6 +31,7 @@ class Mode(enum.Enum):
     LOCAL = "local"  # the processor answered: nothing (more) goes upstream or to the client
     FORWARD = "forward"  # passthrough: bodies go unchanged
     PLANNED = "planned"  # sent upstream as planned; a response handler takes the response
+    OWNED = "owned"  # the processor streams its own answer from engine streams it runs
 
 
 class Exchange(EnvoyStream):
@@ -44,6 +47,7 @@ class Exchange(EnvoyStream):
         self._plan: Plan | None = None
         self._leases: list[str] = []
         self._handler: ResponseHandler | None = None
+        self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
         services.active_exchanges += 1
         services.live.add(self)
@@ -59,6 +63,8 @@ class Exchange(EnvoyStream):
         for lease in self._leases:
             verdict = self._verdict if lease == routed_lease else Verdict()
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
+        if self._owned is not None:
+            self._owned.fanout.release()
         self._held.release()
         self._s.active_exchanges -= 1
 
@@ -83,10 +89,7 @@ class Exchange(EnvoyStream):
         elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
         elif message.end_of_stream:
-            for reply in self._local(
-                Local(400, GatewayError(400, "request body is required", code="missing_body").body)
-            ):
-                yield reply
+            yield self._refuse(GatewayError(400, "request body is required", code="missing_body"))
         else:
             self._api = ApiKind.from_handler(handler)
 
@@ -108,7 +111,7 @@ class Exchange(EnvoyStream):
         if self.mode is Mode.PENDING:  # trailers, not end_of_stream, ended the body
             async for reply in self._dispatch(end_of_stream=False):
                 yield reply
-        if self.mode is not Mode.LOCAL:
+        if self.mode in (Mode.FORWARD, Mode.PLANNED):
             yield msg.request_trailers_reply()
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:
@@ -126,6 +129,12 @@ class Exchange(EnvoyStream):
         if isinstance(plan, TokenOnly) and plan.trigger_attempt is not None:  # its engine will call back
             self._s.triggers.expect(plan, self.spawn)
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
+        if isinstance(plan, Owned):
+            self._owned = OwnedAnswer(self, self._s, plan)
+            async for reply in self._owned.replies():
+                yield reply
+            self.mode = Mode.OWNED if self._owned.streaming else Mode.LOCAL
+            return
         if isinstance(plan, Local):
             replies = self._local(plan)
         else:
@@ -152,7 +161,7 @@ class Exchange(EnvoyStream):
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
         message = f"internal gateway error (request {self.request_id})"
         error = GatewayError(500, message, code="internal_error")
-        if self.mode is Mode.LOCAL or (self._handler is not None and self._handler.done):
+        if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
         if isinstance(self._handler, StreamResponse):  # the client has the headers: end its stream
             self._handler.done = True
@@ -164,19 +173,10 @@ class Exchange(EnvoyStream):
         self._verdict = engine_verdict(routed(self._plan)[1], headers)
         status, content_type = int(headers.get(":status", "502")), headers.get("content-type", "")
         cap, derender = self._s.config.processor.max_response_bytes, self._s.derender
-        self._handler = handler_for(self._plan, status, content_type, derender, self._held, cap, self._replay_native)
+        replay = partial(self._s.replay_native, self._plan, self._verdict.served_by)  # no token-only generate
+        self._handler = handler_for(self._plan, status, content_type, derender, self._held, cap, replay)
         async for reply in self._response(lambda h: h.on_headers(status, content_type, message.end_of_stream)):
             yield reply
-
-    def _replay_native(self, end: bool) -> Outs:
-        """The engine has no token-only generate and sent nothing yet: the same request once
-        more on its native endpoint, from the processor; remembered for that instance."""
-        assert isinstance(self._plan, TokenOnly)
-        address = self._verdict.served_by or self._plan.routed.hosts[0]
-        self._s.scheduler.mark_token_only_unsupported(address)
-        self._s.native_replays += 1
-        request = self._plan.tokenized.request
-        return replay_native(self._s.http, address, request, self._s.config.listener.stream_idle_timeout_s, end)
 
     async def _on_response_body(self, message: ext_proc_pb.HttpBody) -> Replies:
         self._s.triggers.first_chunk(routed(self._plan)[0] or "")  # a Trigger prefill's tokens go back

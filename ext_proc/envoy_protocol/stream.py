@@ -21,6 +21,9 @@ class EnvoyStream:
         self.outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        # A processor-owned answer ends the call itself (`end`), whenever Envoy's side ends.
+        self.ends_itself = False
+        self._reader_done = False
 
     def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         raise NotImplementedError
@@ -50,6 +53,20 @@ class EnvoyStream:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def send(self, reply: ext_proc_pb.ProcessingResponse) -> None:
+        """A message of the processor's own, between Envoy's; returns once gRPC has taken
+        every message queued so far (backpressure for processor-owned streams)."""
+        self.outbox.put_nowait(reply)
+        await self.outbox.join()
+
+    def end(self) -> None:
+        """A processor-owned answer is complete: the call ends when Envoy ends its side (ending
+        it from here raced Envoy's handling of the last messages: clients then waited for an
+        end that never came), or now if Envoy already has."""
+        self.ends_itself = False
+        if self._reader_done:
+            self.outbox.put_nowait(None)
+
     async def _read(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
         try:
             async for message in messages:
@@ -65,7 +82,9 @@ class EnvoyStream:
                     # client's upload, and the stream's resources would wait with it.
                     break
         finally:
-            self.outbox.put_nowait(None)
+            self._reader_done = True
+            if not self.ends_itself:
+                self.outbox.put_nowait(None)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -7,7 +7,10 @@ A `Plan` is one of:
   local-tokenizer fallback, an engine without token-only generate);
 - `TokenOnly`: token-only generate in one or more legs. Union is one leg; Handoff is a
   prefill leg the processor runs, then the decode leg Envoy routes; Trigger is the decode
-  leg alone at first (its engine's callback brings the prefill leg: `legs/trigger.py`).
+  leg alone at first (its engine's callback brings the prefill leg: `legs/trigger.py`);
+- `Owned`: token-only generate the processor runs itself and answers with a streamed local
+  response: fan-out (one leg per prompt of a batch, merged) and relay (one prompt, moved to
+  another instance when its engine fails mid-stream): `legs/fanout.py`, `legs/relay.py`.
 """
 
 from __future__ import annotations
@@ -67,10 +70,19 @@ class TokenOnly:
         return self.legs[0] if len(self.legs) > 1 else None
 
 
-Plan = Local | Passthrough | Native | TokenOnly
+@dataclass(frozen=True)
+class Owned:
+    tokenized: TokenizedRequest
+    legs: tuple[Leg, ...]  # one per prompt, in prompt order; their leases are the fan-out's
+    relay: bool = False
+
+
+Plan = Local | Passthrough | Native | TokenOnly | Owned
 
 
 def lease_ids(plan: Plan) -> list[str]:
+    """The leases the exchange gives back when the stream ends (an `Owned` plan's legs are
+    the fan-out's: it knows how each ended)."""
     if isinstance(plan, Native):
         return [plan.lease_id]
     if isinstance(plan, TokenOnly):

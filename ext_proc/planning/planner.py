@@ -24,7 +24,7 @@ from ext_proc.frontend.token_only import generate_body
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.model_files import vocab_size
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
-from ext_proc.planning.plan import Leg, Local, Native, Passthrough, Plan, TokenOnly
+from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
 from scheduler import Capability, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
@@ -61,7 +61,11 @@ class Planner:
     def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
         now = self._clock()
-        if tokenized.complete and len(tokenized.prompts) == 1:
+        if tokenized.complete and (len(tokenized.prompts) > 1 or self._relays(tokenized)):
+            owned = self._owned(tokenized, now)
+            if owned is not None:
+                return owned
+        elif tokenized.complete:
             pair = self._pair(tokenized, now)
             if pair is not None:
                 return pair
@@ -71,7 +75,7 @@ class Planner:
             raise GatewayError(alone.status, alone.reason, code=code)
         decision = self.scheduler.commit(alone)
         if (
-            len(tokenized.prompts) > 1  # multi-prompt fan-out is processor-owned work still to come
+            len(tokenized.prompts) > 1  # an instance without token-only generate serves the batch natively
             or not tokenized.complete
             or not self.scheduler.supports_token_only(decision.instance.address)
         ):
@@ -79,6 +83,60 @@ class Planner:
         prompt = tokenized.prompts[0]
         leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
         return TokenOnly(_kept(tokenized), (leg,))
+
+    def _relays(self, tokenized: TokenizedRequest) -> bool:
+        """Streaming single-prompt requests are relayed (processor-owned) when reschedule is on
+        and a union pool serves them (a P/D relay would re-plan prefill too: not built)."""
+        return (
+            self._config.reschedule.enable
+            and tokenized.stream
+            and len(tokenized.prompts) == 1
+            and Role.UNION in self.scheduler.pools
+        )
+
+    def _owned(self, tokenized: TokenizedRequest, now: float) -> Owned | None:
+        """One leg per prompt, each with its own lease and instance: admitted as the sum of
+        the prompts (a rejection gives back what earlier prompts took). None: an instance
+        without token-only generate was chosen, so the batch goes native."""
+        legs: list[Leg] = []
+        try:
+            for index, prompt in enumerate(tokenized.prompts):
+                legs.append(self.prompt_leg(tokenized, f"{tokenized.request_id}-{index}", prompt, now))
+        except GatewayError:
+            self._give_back(legs)
+            raise
+        if not all(self.scheduler.supports_token_only(leg.hosts[0]) for leg in legs):
+            self._give_back(legs)
+            return None
+        return Owned(_kept(tokenized), tuple(legs), relay=len(legs) == 1)
+
+    def prompt_leg(
+        self,
+        tokenized: TokenizedRequest,
+        lease_id: str,
+        prompt: PromptTokens,
+        now: float | None = None,
+        max_tokens: int | None = None,
+        exclude: tuple[str, ...] = (),
+    ) -> Leg:
+        """One prompt alone on one instance, committed (GatewayError: rejected). A relay
+        passes the prompt grown by the committed ids, the budget left and the instances
+        that failed."""
+        budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
+        request = ScheduleRequest(lease_id, prompt.token_ids, budget, tokenized.n)
+        now = self._clock() if now is None else now
+        role = Role.UNION if Role.UNION in self.scheduler.pools else Role.DECODE
+        needs = None if role is Role.UNION else Capability.COLOCATION
+        pick = self.scheduler.pick(request, now, role, exclude=exclude, needs=needs)
+        if isinstance(pick, Rejection):
+            code = "token_budget_exceeded" if pick.status == 429 else "no_healthy_instance"
+            raise GatewayError(pick.status, pick.reason, code=code)
+        decision = self.scheduler.commit(pick)
+        return Leg(role, decision.request_id, decision.hosts, prompt, budget)
+
+    def _give_back(self, legs: list[Leg]) -> None:
+        for leg in legs:
+            self.finish(leg.lease_id)
 
     def _alone(self, tokenized: TokenizedRequest, now: float) -> Pick | Rejection:
         """One instance serving the whole request: a union instance, else a decode instance

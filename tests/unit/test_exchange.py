@@ -66,9 +66,9 @@ class FakeDerender:
         return FakeSession()
 
     async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
-        return orjson.dumps(
-            {"object": "chat.completion", "ids": orjson.loads(generate_body)["choices"][0]["token_ids"]}
-        )
+        ids = orjson.loads(generate_body)["choices"][0]["token_ids"]
+        usage = {"prompt_tokens": 4, "total_tokens": 4 + len(ids), "completion_tokens": len(ids)}
+        return orjson.dumps({"choices": [{"index": 0, "ids": ids}], "usage": usage})
 
 
 class Engines:
@@ -196,15 +196,58 @@ async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers
     assert all(i["breaker"] == "closed" and i["consecutive_failures"] == 0 for i in state["instances"].values())
 
 
-async def test_native_plan_for_a_multi_prompt_batch_charges_every_prompt(engines: Engines) -> None:
+def _generate(host: str, body: dict[str, Any]) -> httpx.Response:
+    """A token-only engine: the prompt's last id back, streamed or whole."""
+    ids = [body["token_ids"][-1] * 10]
+    if not body.get("stream"):
+        answer = orjson.dumps({"choices": [{"index": 0, "token_ids": ids, "finish_reason": "length"}]})
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(answer))
+    events = [{"choices": [{"index": 0, "token_ids": ids}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+    sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(sse))
+
+
+async def test_a_multi_prompt_batch_fans_out_one_leg_per_prompt(engines: Engines) -> None:
     services = _services(engines)
+    engines.answer = _generate
     exchange = Exchange(services)
-    batch = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "n": 2, "priority": 9}
+    batch = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 3, "priority": 9}
     replies = await _run(exchange, _headers("/v1/completions"), _body(batch))
-    set_headers, destination, body = _routed(replies)
-    assert ":path" not in set_headers and destination == "127.0.0.1:8201,127.0.0.1:8202"
-    assert body == {k: v for k, v in batch.items() if k != "priority"}
-    assert services.scheduler.ledger.total_tokens == 2 * 4 + 2 * 2 * 3
+    status, answer = _local(replies)
+    assert status == 200 and exchange.answered
+    assert answer["choices"] == [{"index": 0, "ids": [40]}, {"index": 1, "ids": [50]}, {"index": 2, "ids": [60]}]
+    assert answer["usage"] == {"prompt_tokens": 12, "total_tokens": 15, "completion_tokens": 3}
+    calls = sorted((body["token_ids"], body["request_id"], path) for path, body in engines.calls)
+    assert [ids for ids, _, _ in calls] == [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]]
+    assert len({rid for _, rid, _ in calls}) == 3 and all(p.endswith("/inference/v1/generate") for *_, p in calls)
+    await _closed(services, exchange)
+
+
+async def test_a_multi_prompt_stream_is_one_merged_sse_stream(engines: Engines) -> None:
+    services = _services(engines)
+    engines.answer = _generate
+    exchange = Exchange(services)
+    batch = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "stream": True}
+    exchange.start(_messages(_headers("/v1/completions"), _body({**batch, "stream_options": {"include_usage": True}})))
+    replies = [reply async for reply in _drain(exchange)]
+    parts = [r.streamed_immediate_response for r in replies]
+    assert {h.key: h.raw_value for h in parts[0].headers_response.headers.headers}[":status"] == b"200"
+    body = b"".join(p.body_response.body for p in parts[1:])
+    assert parts[-1].body_response.end_of_stream and body.count(b"data: [DONE]") == 1 and body.endswith(b"[DONE]\n\n")
+    assert b'data: {"ids":[40]}' in body and b'data: {"ids":[50]}' in body
+    usage = orjson.loads(body.split(b"data: ")[-2])["usage"]
+    assert usage == {"prompt_tokens": 8, "total_tokens": 10, "completion_tokens": 2}
+    await _closed(services, exchange)
+
+
+async def test_a_batch_is_admitted_as_the_sum_of_its_prompts(engines: Engines) -> None:
+    services = _services(engines, budget=10 * LIMIT)
+    services.scheduler.ledger.global_budget = 2 * (4 + 3)  # two prompts fit, three do not
+    engines.answer = _generate
+    exchange = Exchange(services)
+    batch = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 3}
+    status, error = _local(await _run(exchange, _headers("/v1/completions"), _body(batch)))
+    assert status == 429 and error["error"]["code"] == "token_budget_exceeded" and not engines.calls
     await _closed(services, exchange)
 
 
@@ -239,7 +282,7 @@ async def test_buffered_response_is_derendered_once_and_engine_errors_become_ope
     replies = await _run(
         ok, _response_headers(200, "application/json"), _response_body(b'{"choices":[{"token_ids":[5,6]}]}', True)
     )
-    assert orjson.loads(_client_body(replies)) == {"object": "chat.completion", "ids": [5, 6]}
+    assert orjson.loads(_client_body(replies))["choices"] == [{"index": 0, "ids": [5, 6]}]
     replies = await _run(
         failed,
         _response_headers(500, "text/plain", **{"x-tito-upstream-host": "127.0.0.1:8201"}),
@@ -438,5 +481,7 @@ async def _messages(*messages: Any) -> Any:
 
 
 async def _drain(exchange: Exchange) -> Any:
+    """What the gRPC method does with the outbox."""
     while (reply := await exchange.outbox.get()) is not None:
         yield reply
+        exchange.outbox.task_done()

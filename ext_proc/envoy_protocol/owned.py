@@ -1,0 +1,69 @@
+"""The processor-owned answer (fan-out, relay): no upstream through Envoy; the processor runs
+the engine streams (`legs/fanout.py`) and answers the held request-headers message with a
+streamed local response (envoy-ext-proc.md §5): headers once every engine stream is
+established, then the merged SSE bytes as they come, each sent only when gRPC took the one
+before (a slow client makes the producers wait, nothing piles up here)."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from ext_proc.envoy_protocol import messages as msg
+from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
+from ext_proc.errors import GatewayError
+from ext_proc.legs.fanout import FanOut
+from ext_proc.legs.relay import OwnedContext
+from ext_proc.planning.plan import Owned
+from ext_proc.services import Services
+
+SSE = "text/event-stream"
+
+
+class OwnedAnswer:
+    def __init__(self, stream: EnvoyStream, services: Services, plan: Owned) -> None:
+        config = services.config
+        context = OwnedContext(
+            services.http,
+            services.planner,
+            services.derender,
+            config.reschedule,
+            config.listener.stream_idle_timeout_s,
+            config.processor.max_response_bytes,
+        )
+        self._stream = stream
+        self._services = services
+        self._plan = plan
+        self.fanout = FanOut(context, plan, config.processor.owned_queue_depth, config.model.served_name)
+        self.streaming = False  # the client has headers and the writer task owns the rest
+
+    async def replies(self) -> Replies:
+        try:
+            await self.fanout.establish()
+            if self._plan.tokenized.stream:
+                self.streaming = self._stream.ends_itself = True
+                yield msg.local_response_headers(200, SSE)
+                self._stream.spawn(self._write())
+                return
+            body = await self.fanout.whole()
+        except GatewayError as error:
+            for reply in msg.local_response(error.status, error.body):
+                yield reply
+            return
+        finally:
+            if not self.streaming:
+                await self.fanout.aclose()
+        for reply in msg.local_response(200, body):
+            yield reply
+
+    async def _write(self) -> None:
+        try:
+            async with aclosing(self.fanout.stream()) as chunks:
+                async for data in chunks:
+                    await self._stream.send(msg.local_response_body(data, False))
+            await self._stream.send(msg.local_response_body(b"", True))
+        finally:
+            await self.fanout.aclose()
+            self._services.owned_queue_depth_max = max(
+                self._services.owned_queue_depth_max, self.fanout.queue_depth_max
+            )
+            self._stream.end()

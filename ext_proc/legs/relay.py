@@ -1,0 +1,247 @@
+"""One prompt's engine stream on the processor-owned path, derendered as it arrives, and its
+relay (RFC 流式 replay 与重调度; reference-systems.md §1.5).
+
+With relay on, an engine that fails mid-stream (connection lost, an in-band error, its
+stream ending before `[DONE]`, no output past the first-/inter-token timeout) is replaced by
+another instance that goes on from the ids the client already has: prompt + committed ids,
+max_tokens (and min_tokens) less their count, a new lease, no new render. The derender state
+needs no rollback: ids reach it only together with the client's bytes for them (one
+`steps` call, then the queue), so it always stands exactly at the committed ids. Relay is
+refused where a replay cannot be exact (n>1, structured output) once output exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from ext_proc.config import RescheduleConfig
+from ext_proc.derender.pipeline import Derenderer, parse_event
+from ext_proc.derender.streaming import SSEFramer
+from ext_proc.errors import GatewayError
+from ext_proc.frontend.token_only import generate_body
+from ext_proc.legs.generate import Opened, open_generate, read_whole
+from ext_proc.planning.plan import Leg, Owned
+from ext_proc.planning.planner import Planner
+from ext_proc.protocol import PromptTokens
+
+log = logging.getLogger("tito.relay")
+Put = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class OwnedContext:
+    """What processor-owned streams use of the processor's shared services."""
+
+    http: httpx.AsyncClient
+    planner: Planner
+    derender: Derenderer
+    reschedule: RescheduleConfig
+    idle_timeout_s: float
+    max_response_bytes: int
+
+
+class EngineFailure(Exception):
+    """The serving engine failed mid-stream (a relay may continue elsewhere)."""
+
+
+class PromptStream:
+    def __init__(self, ctx: OwnedContext, plan: Owned, index: int, merged: bool) -> None:
+        self._ctx = ctx
+        self._plan = plan
+        self.index = index
+        self._leg = plan.legs[index]
+        self._first = self._leg  # the original leg: prompt and budget a relay starts from
+        self._session = ctx.derender.stream(plan.tokenized, index)
+        self._merged = merged  # one of a batch: the fan-out writes the one usage chunk
+        self.completion_tokens = 0
+        self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them
+        self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
+        self._opened: Opened | None = None
+        self.attempts = 0
+
+    # -- opening ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """The current leg's engine answers 200 (GatewayError: no host did)."""
+        leg = self._leg
+        failed = self._open_leases.setdefault(leg.lease_id, [])
+        self._opened = await open_generate(self._ctx.http, leg.hosts, self._body(leg), self._ctx.idle_timeout_s, failed)
+
+    def _body(self, leg: Leg) -> bytes:
+        min_tokens = self._first.prompt.sampling_params.get("min_tokens")
+        if self.committed and min_tokens:
+            min_tokens = max(0, int(min_tokens) - len(self.committed))
+        api = self._plan.tokenized.api
+        return generate_body(leg.prompt, leg.max_tokens, api, request_id=leg.lease_id, min_tokens=min_tokens or None)
+
+    # -- non-streaming ----------------------------------------------------------------
+
+    async def whole(self) -> bytes:
+        """The prompt's whole GenerateResponse (no relay: nothing reached the client yet)."""
+        assert self._opened is not None
+        body = await read_whole(self._opened, self._ctx.max_response_bytes)
+        await self._end(served=True)
+        return body
+
+    # -- streaming ----------------------------------------------------------------------
+
+    async def run(self, put: Put) -> None:
+        """Until the prompt's output ended; GatewayError when it failed and cannot go on."""
+        while True:
+            try:
+                await self._attempt(put)
+                await self._end(served=True)
+                return
+            except EngineFailure as failure:
+                await self._relay(str(failure))
+
+    async def _attempt(self, put: Put) -> None:
+        assert self._opened is not None
+        framer = SSEFramer()
+        chunks = self._opened.response.aiter_raw()
+        got_tokens = False
+        while True:
+            timeout = (
+                self._ctx.reschedule.inter_token_timeout_s if got_tokens else self._ctx.reschedule.first_token_timeout_s
+            )
+            try:
+                # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancellation that
+                # races a chunk's arrival, and a cancelled producer must stop.
+                async with asyncio.timeout(timeout):
+                    raw = await anext(chunks)
+            except StopAsyncIteration:
+                if await self._events(framer.flush(), put):
+                    return
+                raise EngineFailure("its stream ended before [DONE]") from None
+            except TimeoutError:
+                raise EngineFailure(f"no output for {timeout:g} s") from None
+            except httpx.HTTPError as exc:
+                raise EngineFailure(f"connection lost ({type(exc).__name__})") from None
+            before = self.completion_tokens
+            if await self._events(framer.feed(raw), put):
+                return
+            got_tokens = got_tokens or self.completion_tokens > before
+
+    async def _events(self, payloads: list[bytes], put: Put) -> bool:
+        """Derender what arrived together; True at `[DONE]`."""
+        waiting: list[tuple[dict[str, Any], bytes]] = []
+        for payload in payloads:
+            event = parse_event(payload)
+            if isinstance(event, dict):
+                if event.get("choices") or not self._merged:
+                    waiting.append(self._with_usage(event, payload))
+                continue
+            await self._step(waiting, put)
+            waiting = []
+            if event is None:
+                return True
+            if event.code == "engine_invalid_event":
+                raise event
+            raise EngineFailure(f"in-band error: {event.message}")
+        await self._step(waiting, put)
+        return False
+
+    def _with_usage(self, event: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        """The usage event with the client's counts: after a relay the engine's count the
+        committed ids as prompt."""
+        if event.get("choices") or not isinstance(event.get("usage"), dict):
+            return event, payload
+        prompt = len(self._first.prompt.token_ids)
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + self.completion_tokens}
+        event = {**event, "usage": {**event["usage"], **usage, "completion_tokens": self.completion_tokens}}
+        return event, orjson.dumps(event)
+
+    async def _step(self, events: list[tuple[dict[str, Any], bytes]], put: Put) -> None:
+        if not events:
+            return
+        data = await self._session.steps(events)
+        for event, _ in events:
+            for choice in event.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                self.completion_tokens += len(ids)
+                if int(choice.get("index", 0)) == 0:
+                    self.committed.extend(ids)
+        if data:
+            await put(data)
+
+    # -- relay -------------------------------------------------------------------------
+
+    async def _relay(self, why: str) -> None:
+        assert self._opened is not None
+        failed_host = self._opened.host
+        self._open_leases[self._leg.lease_id].append(failed_host)
+        await self._end(served=False)
+        refusal = self._refusal()
+        if refusal is not None:
+            log.warning(
+                "relay refused for %s: engine %s failed (%s) after %d tokens; %s",
+                self._plan.tokenized.request_id,
+                failed_host,
+                why,
+                self.completion_tokens,
+                refusal,
+            )
+            raise GatewayError(502, f"engine failed mid-stream: {why}", code="engine_stream_failed")
+        self.attempts += 1
+        ids = self._first.prompt.token_ids + self.committed
+        rendered = self._first.prompt.generate_request
+        prompt = PromptTokens(ids, {**(rendered or {}), "token_ids": ids})
+        left = self._first.max_tokens - len(self.committed)
+        tried = tuple(h for hosts in self._open_leases.values() for h in hosts)
+        self._leg = self._ctx.planner.prompt_leg(
+            self._plan.tokenized, f"{self._first.lease_id}-relay{self.attempts}", prompt, max_tokens=left, exclude=tried
+        )
+        log.warning(
+            "relay %s: engine %s failed (%s); %d committed ids, %d tokens left, now on %s",
+            self._plan.tokenized.request_id,
+            failed_host,
+            why,
+            len(self.committed),
+            left,
+            self._leg.hosts[0],
+        )
+        await self.open()
+
+    def _refusal(self) -> str | None:
+        """Why this failure ends the stream instead of relaying it (None: relay)."""
+        if not self._plan.relay:
+            return "relay is off for this request"
+        if self.attempts + 1 >= self._ctx.reschedule.max_attempts:
+            return f"{self._ctx.reschedule.max_attempts} engine streams tried"
+        if self.completion_tokens and self._plan.tokenized.n > 1:
+            return "n>1 cannot be replayed exactly"
+        if self.completion_tokens and self._first.prompt.sampling_params.get("structured_outputs"):
+            return "structured output cannot be replayed exactly"
+        return None
+
+    # -- the end -------------------------------------------------------------------------
+
+    async def _end(self, served: bool) -> None:
+        """The current engine stream is over: closed (which aborts the engine's work if it
+        was still generating) and its lease back with the engine's verdict."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            await opened.response.aclose()
+        failed = self._open_leases.pop(self._leg.lease_id, None)
+        if failed is not None:
+            served_by = opened.host if served and opened is not None else None
+            self._ctx.planner.finish(self._leg.lease_id, tuple(failed), served_by)
+
+    async def aclose(self) -> None:
+        """Cancelled or failed: the stream closed, every lease back (no verdict)."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            await opened.response.aclose()
+        self.release()
+
+    def release(self) -> None:
+        for lease, failed in list(self._open_leases.items()):
+            self._ctx.planner.finish(lease, tuple(failed))
+        self._open_leases.clear()
