@@ -22,6 +22,7 @@ def state(services: Services) -> dict[str, Any]:
     return {
         "active_exchanges": services.active_exchanges,
         "owned_queue_depth_max": services.owned_queue_depth_max,
+        "relays": services.relays,
         "exchanges": [
             {"request": e.request_id, "mode": e.mode.value} for e in list(services.live)[:20] if not e.closed
         ],

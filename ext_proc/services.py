@@ -35,6 +35,7 @@ class Services:
     active_exchanges: int = 0
     live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
     native_replays: int = 0
+    relays: int = 0  # engine streams replaced mid-answer (reschedule)
     owned_queue_depth_max: int = 0  # the fullest a processor-owned stream's queue got (backpressure)
 
     @property

@@ -6,6 +6,7 @@ before (a slow client makes the producers wait, nothing piles up here)."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 
 from ext_proc.envoy_protocol import messages as msg
@@ -51,7 +52,7 @@ class OwnedAnswer:
             return
         finally:
             if not self.streaming:
-                await self.fanout.aclose()
+                await self._close()
         for reply in msg.local_response(200, body):
             yield reply
 
@@ -62,8 +63,13 @@ class OwnedAnswer:
                     await self._stream.send(msg.local_response_body(data, False))
             await self._stream.send(msg.local_response_body(b"", True))
         finally:
-            await self.fanout.aclose()
-            self._services.owned_queue_depth_max = max(
-                self._services.owned_queue_depth_max, self.fanout.queue_depth_max
-            )
+            services = self._services
+            services.owned_queue_depth_max = max(services.owned_queue_depth_max, self.fanout.queue_depth_max)
+            services.relays += sum(prompt.attempts for prompt in self.fanout.prompts)
             self._stream.end()
+            await self._close()
+
+    async def _close(self) -> None:
+        """Every engine stream closed, even when gRPC cancels the closing call's tasks once
+        more (its own cancellation reaches them through `aclose`)."""
+        await asyncio.shield(self.fanout.aclose())

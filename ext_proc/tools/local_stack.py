@@ -126,7 +126,7 @@ class LocalStack:
         }
         kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
         kv_dir.mkdir(parents=True, exist_ok=True)
-        for n, (name, pool, instance) in enumerate(self._engines()):
+        for n, (name, pool, instance) in enumerate(self.engines()):
             command = engine_command(
                 model, self.model_path, instance.host, instance.port, pool.role, pool.kv_connector, str(kv_dir)
             )
@@ -134,7 +134,7 @@ class LocalStack:
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
             self._add(name, command, {**engine_env, **(side_channel if pool.kv_connector == "nixl" else {})})
 
-    def _engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
+    def engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
         """Every engine of every pool, named `engine0` (a lone union pool) or `prefill0`, `decode0`, ..."""
         pools = self.config.pools
         prefix = (lambda pool: "engine") if [p.role for p in pools] == ["union"] else (lambda pool: pool.name)
@@ -158,7 +158,7 @@ class LocalStack:
             "processor": lambda: _port_open(self.config.processor.host, self.config.processor.port),
             "envoy": lambda: _http_ready(f"http://127.0.0.1:{self.config.listener.admin_port}/ready"),
         }
-        for name, _, instance in self._engines():
+        for name, _, instance in self.engines():
             checks[name] = functools.partial(_http_ready, instance.url + "/health")
         deadline = time.monotonic() + self.config.local.startup_timeout_s
         pending = {name: check for name, check in checks.items() if name in self.processes}
@@ -212,12 +212,19 @@ def run_up(config: TitoConfig) -> int:
         print(f"tito is up: {stack.base_url}/v1  (model {config.model.served_name!r})", flush=True)
         print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
-        while not stopping and all(p.alive() for p in stack.processes.values()):
+        # An engine that dies is what the gateway is for (breakers, relay): it keeps serving
+        # on the others. Any other process, or the last engine, ends the stack.
+        engines = {name for name, _, _ in stack.engines()}
+        reported: set[str] = set()
+        while not stopping:
+            dead = {name for name, p in stack.processes.items() if not p.alive()}
+            if dead - engines or dead >= engines:
+                print(f"stopping: {', '.join(sorted(dead))} exited (see {work_dir / 'logs'})", file=sys.stderr)
+                return 1
+            for name in sorted(dead - reported):
+                print(f"{name} exited; serving on the other engines (see {work_dir / 'logs'})", file=sys.stderr)
+            reported = dead
             time.sleep(0.5)
-        dead = [name for name, p in stack.processes.items() if not p.alive()]
-        if dead and not stopping:
-            print(f"stopping: {', '.join(dead)} exited (see {work_dir / 'logs'})", file=sys.stderr)
-            return 1
         return 0
     finally:
         stack.stop()

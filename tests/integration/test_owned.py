@@ -207,4 +207,3 @@ def test_a_client_leaving_a_relayed_stream_closes_its_engine_stream(gw: SimGatew
         for _ in response.iter_raw():
             break
     assert _wait_cut(gw, 1) < 1.0
-

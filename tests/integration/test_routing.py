@@ -98,16 +98,19 @@ def test_streaming_derender_matches_the_tokens_the_engine_sent(sim_gateway: SimG
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
 
 
-def test_other_paths_and_multi_prompt_go_to_the_engine_untouched(sim_gateway: SimGateway) -> None:
+def test_models_go_to_the_engine_untouched_and_a_batch_is_a_leg_per_prompt(sim_gateway: SimGateway) -> None:
     sim_gateway.reset()
     models = httpx.get(sim_gateway.base_url + "/v1/models", timeout=10, trust_env=False)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
     body = {"model": "tiny", "prompt": ["one", "two"], "max_tokens": 2}
     completion = httpx.post(sim_gateway.base_url + "/v1/completions", json=body, timeout=10, trust_env=False)
-    assert completion.status_code == 200 and len(completion.json()["choices"]) == 2
+    assert completion.status_code == 200 and [c["index"] for c in completion.json()["choices"]] == [0, 1]
     received = [r for sim in sim_gateway.sims for r in sim.received]
-    assert sorted(r.path for r in received) == ["/v1/completions", "/v1/models"]
-    assert [r.json() for r in received if r.path == "/v1/completions"] == [body]
+    assert sorted(r.path for r in received) == ["/inference/v1/generate", "/inference/v1/generate", "/v1/models"]
+    legs = [r.json() for r in received if r.path == "/inference/v1/generate"]
+    assert len({leg["request_id"] for leg in legs}) == 2 and all(
+        leg["sampling_params"]["max_tokens"] == 2 for leg in legs
+    )
 
 
 @pytest.mark.parametrize(
