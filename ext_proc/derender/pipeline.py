@@ -1,13 +1,14 @@
 """Derender: generate output (token ids) -> OpenAI responses; one pipeline, two backends.
 
-`StreamDerender` takes the raw SSE bytes of one prompt's generate stream, however they
-arrive (Envoy body chunks, or an engine stream the processor owns), frames them, parses each
-event once, and hands the events that arrived together to the backend's per-stream session:
-`in_process` (live detokenizer and parser state, `derender_in_process.py`: every event is one
-parser step, and plain-text chunks waiting together leave as one chunk) or `sidecar` (the
-render sidecar's /derender, `derender_sidecar.py`: one call per run of one choice's events).
-Exactly one `[DONE]` ends the output, also after an in-band engine error or a derender
-failure (as an OpenAI error event). Derender failures never re-run inference.
+A prompt's derender session (`Derenderer.stream`) takes the generate events that arrived
+together and returns SSE bytes: `in_process` (live detokenizer and parser state,
+`in_process.py`: every event is one parser step, and plain-text chunks waiting together
+leave as one chunk) or `sidecar` (the render sidecar's /derender, `sidecar.py`: one call
+per run of one choice's events). Both transports feed the same sessions, framed by
+`SSEFramer` and parsed once by `parse_event`: `StreamDerender` for the engine stream Envoy
+routes (body chunks in, exactly one `[DONE]` out, also after an in-band engine error or a
+derender failure, as an OpenAI error event), and the processor-owned streams of
+`legs/relay.py`. Derender failures never re-run inference.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class StreamDerender:
             if isinstance(event, dict):
                 waiting.append((event, payload))
                 continue
-            out += await self.step(waiting)
+            out += await self._steps(waiting)
             waiting = []
             if self.done:
                 break
@@ -136,21 +137,21 @@ class StreamDerender:
                 self.done = True
                 out += DONE_EVENT
             else:
-                out += self.fail(event)
+                out += self._fail(event)
         if waiting and not self.done:
-            out += await self.step(waiting)
+            out += await self._steps(waiting)
         return bytes(out)
 
-    async def step(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+    async def _steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         """Generate events (parsed, with their payloads) -> SSE bytes; a failure is an error event."""
         if not events:
             return b""
         try:
             return await self._session.steps(events)
         except GatewayError as exc:
-            return self.fail(exc)
+            return self._fail(exc)
 
-    def fail(self, error: GatewayError) -> bytes:
+    def _fail(self, error: GatewayError) -> bytes:
         self.done = True
         return sse_event(error.body) + DONE_EVENT
 

@@ -7,6 +7,7 @@ before (a slow client makes the producers wait, nothing piles up here)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 
 from ext_proc.envoy_protocol import messages as msg
@@ -18,6 +19,7 @@ from ext_proc.planning.plan import Owned
 from ext_proc.services import Services
 
 SSE = "text/event-stream"
+log = logging.getLogger("tito.fanout")
 
 
 class OwnedAnswer:
@@ -57,11 +59,18 @@ class OwnedAnswer:
             yield reply
 
     async def _write(self) -> None:
+        complete = False
         try:
             async with aclosing(self.fanout.stream()) as chunks:
                 async for data in chunks:
                     await self._stream.send(msg.local_response_body(data, False))
+            complete = True
             await self._stream.send(msg.local_response_body(b"", True))
+        except asyncio.CancelledError:
+            if not complete:  # the client left (Envoy reset the call) before the end
+                open_streams = sum(prompt.streaming for prompt in self.fanout.prompts)
+                log.info("client left %s; closing %d engine streams", self._plan.tokenized.request_id, open_streams)
+            raise
         finally:
             services = self._services
             services.owned_queue_depth_max = max(services.owned_queue_depth_max, self.fanout.queue_depth_max)

@@ -66,6 +66,11 @@ class PromptStream:
         self._opened: Opened | None = None
         self.attempts = 0
 
+    @property
+    def streaming(self) -> bool:
+        """An engine stream is open."""
+        return self._opened is not None
+
     # -- opening ---------------------------------------------------------------------
 
     async def open(self) -> None:
