@@ -93,4 +93,11 @@ def _tokenized(request: OpenAIRequest, body: bytes) -> TokenizedRequest:
         prompts.append(PromptTokens.rendered(item))
     if not prompts:
         raise RenderUnavailable("invalid_response", "render returned no prompts")
-    return TokenizedRequest(request=request, request_id=generate_requests[0]["request_id"], prompts=prompts)
+    return TokenizedRequest(request=request, request_id=_response_id(generate_requests), prompts=prompts)
+
+
+def _response_id(generate_requests: list[dict[str, Any]]) -> str:
+    """The OpenAI response id. Render names a batch's prompts `<id>-<index>`; native serving
+    answers the batch as `<id>`."""
+    first: str = generate_requests[0]["request_id"]
+    return first.removesuffix("-0") if len(generate_requests) > 1 else first
