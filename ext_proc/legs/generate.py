@@ -69,9 +69,13 @@ async def read_whole(opened: Opened, cap: int) -> bytes:
     """A non-streaming generate answer, at most `cap` bytes (over it: 502)."""
     pieces: list[bytes] = []
     size = 0
-    async for piece in opened.response.aiter_raw():
-        size += len(piece)
-        if size > cap:
-            raise GatewayError(502, f"engine response exceeds {cap} bytes", code="engine_response_too_large")
-        pieces.append(piece)
+    try:
+        async for piece in opened.response.aiter_raw():
+            size += len(piece)
+            if size > cap:
+                raise GatewayError(502, f"engine response exceeds {cap} bytes", code="engine_response_too_large")
+            pieces.append(piece)
+    except httpx.HTTPError as exc:
+        message = f"engine {opened.host} failed mid-answer: {type(exc).__name__}"
+        raise GatewayError(502, message, code="engine_stream_failed") from exc
     return b"".join(pieces)

@@ -223,6 +223,26 @@ async def test_a_multi_prompt_batch_fans_out_one_leg_per_prompt(engines: Engines
     await _closed(services, exchange)
 
 
+class _CutStream(httpx.AsyncByteStream):
+    """An engine answer whose connection drops after its first bytes."""
+
+    async def __aiter__(self) -> Any:
+        yield b'{"choices": ['
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+
+async def test_a_batch_whose_engine_fails_mid_answer_is_a_502_and_gives_everything_back(engines: Engines) -> None:
+    services = _services(engines)
+    engines.answer = lambda host, body: (
+        httpx.Response(200, stream=_CutStream()) if body["token_ids"][-1] == 5 else _generate(host, body)
+    )
+    exchange = Exchange(services)
+    batch = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 3}
+    status, error = _local(await _run(exchange, _headers("/v1/completions"), _body(batch)))
+    assert status == 502 and error["error"]["code"] == "engine_stream_failed"
+    await _closed(services, exchange)
+
+
 async def test_a_multi_prompt_stream_is_one_merged_sse_stream(engines: Engines) -> None:
     services = _services(engines)
     engines.answer = _generate
