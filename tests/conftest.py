@@ -177,6 +177,16 @@ class SimGateway:
         for sim in self.sims:
             sim.received.clear()
 
+    def restore(self) -> None:
+        """Every simulator back to a plain, fast, faultless engine with an empty log."""
+        for sim in self.sims:
+            sim.received.clear()
+            sim.fault = None
+            sim.tokens = None
+            sim.ttft_s = sim.token_delay_s = 0.0
+            sim.pad_bytes = 0
+            sim.streams_cut = 0
+
     def assert_no_leaks(self, timeout: float = 10) -> dict[str, Any]:
         """Nothing left behind by finished requests: admission ledger and scheduler load at
         zero, no live exchange in the processor, no open HTTP stream to render or an engine."""
@@ -225,15 +235,24 @@ def start_sim_gateway(
     return SimGateway(config, gateway, [s.sim for s in servers]), servers
 
 
+@contextlib.contextmanager
+def running_sim_gateway(stack: RunningStack, work: Path, n_engines: int, **sections: Any) -> Iterator[SimGateway]:
+    """`start_sim_gateway` for the length of a `with` block (a module fixture's life)."""
+    gateway, servers = start_sim_gateway(stack, work, n_engines, **sections)
+    try:
+        yield gateway
+    finally:
+        gateway.gateway.stop()
+        for server in servers:
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def sim_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
-    gateway, servers = start_sim_gateway(
+    with running_sim_gateway(
         stack, tmp_path_factory.mktemp("simgw"), 2, scheduler={"policy": "round_robin"}
-    )
-    yield gateway
-    gateway.gateway.stop()
-    for server in servers:
-        server.stop()
+    ) as gateway:
+        yield gateway
 
 
 @dataclass

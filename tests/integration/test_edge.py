@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, start_sim_gateway
+from tests.conftest import RunningStack, SimGateway, running_sim_gateway
 from tests.engine_sim import Fault
 
 MiB = 1 << 20
@@ -28,38 +28,26 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
 
 @pytest.fixture(scope="module")
 def edge(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
-    gateway, servers = start_sim_gateway(
+    with running_sim_gateway(
         stack,
         tmp_path_factory.mktemp("edge"),
         2,
         processor={"max_response_bytes": RESPONSE_CAP},
         scheduler={"policy": "round_robin"},
-    )
-    yield gateway
-    gateway.gateway.stop()
-    for server in servers:
-        server.stop()
+    ) as gateway:
+        yield gateway
 
 
 @pytest.fixture
 def gw(edge: SimGateway) -> Iterator[SimGateway]:
     """The shared gateway with clean simulators, checked for leaks after each test."""
-    _reset(edge)
+    edge.restore()
     yield edge
     edge.assert_no_leaks()
     state = edge.state()
     assert state["inflight_bytes"] == 0
     assert all(i["breaker"] == "closed" for i in state["scheduler"]["instances"].values())
-    _reset(edge)
-
-
-def _reset(gateway: SimGateway) -> None:
-    for sim in gateway.sims:
-        sim.received.clear()
-        sim.fault = None
-        sim.ttft_s = sim.token_delay_s = 0.0
-        sim.pad_bytes = 0
-        sim.streams_cut = 0
+    edge.restore()
 
 
 def _raw(gateway: SimGateway, method: str, path: str, body: bytes = b"", **headers: str) -> tuple[int, bytes]:

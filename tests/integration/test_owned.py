@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, start_sim_gateway
+from tests.conftest import RunningStack, SimGateway, running_sim_gateway
 from tests.engine_sim import Fault
 
 QUEUE_DEPTH = 4
@@ -23,7 +23,7 @@ BATCH = {"model": "tiny", "prompt": ["one", "two two", "three three three"], "ma
 
 @pytest.fixture(scope="module")
 def owned(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
-    gateway, servers = start_sim_gateway(
+    with running_sim_gateway(
         stack,
         tmp_path_factory.mktemp("owned"),
         3,
@@ -31,28 +31,16 @@ def owned(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iter
         admission={"global_token_budget": BUDGET},
         scheduler={"policy": "round_robin", "breaker": {"failure_threshold": 1000}},
         reschedule={"enable": True, "first_token_timeout_s": 2.0, "inter_token_timeout_s": 1.0},
-    )
-    yield gateway
-    gateway.gateway.stop()
-    for server in servers:
-        server.stop()
+    ) as gateway:
+        yield gateway
 
 
 @pytest.fixture
 def gw(owned: SimGateway) -> Iterator[SimGateway]:
-    _reset(owned)
+    owned.restore()
     yield owned
     owned.assert_no_leaks()
-    _reset(owned)
-
-
-def _reset(gateway: SimGateway) -> None:
-    for sim in gateway.sims:
-        sim.received.clear()
-        sim.fault = None
-        sim.tokens = None
-        sim.ttft_s = sim.token_delay_s = 0.0
-        sim.streams_cut = 0
+    owned.restore()
 
 
 def _events(body: bytes) -> list[Any]:
