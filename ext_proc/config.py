@@ -215,6 +215,23 @@ class AdmissionConfig(_Strict):
     instance_token_budget: int | None = None
 
 
+class ObfuscationConfig(_Strict):
+    """Token obfuscation (RFC Token 混淆适配): the engines serve vocabulary-permuted weights,
+    so they get physical ids only; render, derender and clients keep semantic ids. When on,
+    it fails closed: no local-tokenizer fallback, no native path (both would send plaintext).
+
+    The secret is read from `secret_file`, else from the environment variable `secret_env`
+    (the config names where it is, never the secret itself, so a config dump cannot leak it)."""
+
+    enable: bool = False
+    provider: str = "permutation"  # the built-in keyed permutation, or "module:factory" (a vendor SDK)
+    secret_file: str | None = None
+    secret_env: str = "TOKEN_OBFUSCATION_SECRET"
+    vocab_size: int | None = None  # None: the model's config.json (text_config.vocab_size first)
+    fixed_ids: list[int] = Field(default_factory=list)  # the white list: ids the permutation keeps
+    fix_added_tokens: bool = True  # also keep the tokenizer's added tokens (chat control, tags)
+
+
 class LocalStackConfig(_Strict):
     """What `tito up` needs beyond the gateway itself."""
 
@@ -233,6 +250,7 @@ class TitoConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     reschedule: RescheduleConfig = RescheduleConfig()
+    obfuscation: ObfuscationConfig = ObfuscationConfig()
     local: LocalStackConfig = LocalStackConfig()
 
     @model_validator(mode="after")
@@ -242,6 +260,12 @@ class TitoConfig(_Strict):
             raise ValueError("pools: at most one per role, each with at least one instance")
         if "union" not in roles and not {"prefill", "decode"} <= set(roles):
             raise ValueError("pools: a union pool, or a prefill and a decode pool")
+        return self
+
+    @model_validator(mode="after")
+    def _obfuscation_needs_render(self) -> TitoConfig:
+        if self.obfuscation.enable and not self.render_config.enable:
+            raise ValueError("obfuscation.enable needs render_config.enable: the local tokenizer would serve plaintext")
         return self
 
     def pool(self, role: str) -> PoolConfig | None:

@@ -81,16 +81,23 @@ class OpenAIRequest:
 
 @dataclass
 class PromptTokens:
-    """One prompt's semantic token ids (length accounting, scheduling, derender) and, when
+    """One prompt's semantic token ids (length accounting, derender, the client) and, when
     render produced them, its token-only GenerateRequest (sampling params and the rest of the
-    render metadata). Obfuscation will add physical ids for the engine."""
+    render metadata). With token obfuscation on, `engine_request` is that request in physical
+    ids, which engines and the scheduler's prefix index see (`obfuscation.py`)."""
 
     token_ids: list[int]
     generate_request: dict[str, Any] | None = None  # None after a local-tokenizer fallback
+    engine_request: dict[str, Any] | None = None  # obfuscation on: the physical GenerateRequest
 
     @classmethod
     def rendered(cls, generate_request: dict[str, Any]) -> PromptTokens:
         return cls(generate_request["token_ids"], generate_request)
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """The ids an engine computes on: physical with obfuscation on, else the same list."""
+        return self.token_ids if self.engine_request is None else self.engine_request["token_ids"]
 
     @property
     def sampling_params(self) -> dict[str, Any]:

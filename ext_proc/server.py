@@ -21,6 +21,7 @@ from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.trigger import Triggers
+from ext_proc.obfuscation import build_codec
 from ext_proc.planning.planner import Planner
 from ext_proc.services import Services
 from protos.stubs import ext_proc_grpc, ext_proc_pb
@@ -100,10 +101,12 @@ def _pool(config: PoolConfig) -> Pool:
 def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport) -> Services:
     render = config.render_config
     cooldown = render.breaker_cooldown_s
+    codec = build_codec(config)
     tokenization = TokenizationService(
         RenderClient(render, http) if render.enable else None,
         CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
         LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
+        codec,
     )
     scheduler = build_scheduler(config)
     planner = Planner(config, tokenization, scheduler)
@@ -111,13 +114,14 @@ def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: Countin
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
-            config, DerenderClient(render, http, config.model.served_name, config.model.has_parser)
+            config, DerenderClient(render, http, config.model.served_name, config.model.has_parser), codec
         ),
         planner=planner,
         http=http,
         http_streams=streams,
         inflight=ByteBudget(config.inflight_bytes),
         triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
+        codec=codec,
     )
 
 

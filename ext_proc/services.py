@@ -13,11 +13,12 @@ from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.http_client import CountingTransport
-from ext_proc.legs.responses import Outs, replay_native
+from ext_proc.legs.responses import Outs, error_answer, replay_native
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
+from ext_proc.obfuscation import TokenCodec
 from ext_proc.planning.plan import Plan, TokenOnly
-from ext_proc.planning.planner import Planner
+from ext_proc.planning.planner import Planner, token_only_required
 from scheduler import Scheduler
 
 
@@ -31,6 +32,7 @@ class Services:
     http_streams: CountingTransport
     inflight: ByteBudget
     triggers: Triggers
+    codec: TokenCodec | None = None  # token obfuscation (off: None)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
     live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
@@ -48,6 +50,8 @@ class Services:
         assert isinstance(plan, TokenOnly)
         address = served_by or plan.routed.hosts[0]
         self.scheduler.mark_token_only_unsupported(address)
+        if self.config.obfuscation.enable:  # fail closed: the native endpoint would get plaintext
+            return error_answer(token_only_required(address), end)
         self.native_replays += 1
         timeout = self.config.listener.stream_idle_timeout_s
         return replay_native(self.http, address, plan.tokenized.request, timeout, end)

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ext_proc.obfuscation import ObfuscationProvider
 from tests.servers import ThreadedServer
 
 NATIVE_TEXT = "native answer"
@@ -86,6 +87,10 @@ class EngineSim:
     received: list[Received] = field(default_factory=list)
     streams_cut: int = 0  # generate streams the client (Envoy) left before the end
     trigger_callbacks: list[int] = field(default_factory=list)  # metaserver answers (Trigger decode)
+    # "obfuscated weights": ids in and out are physical. The prompt is de-permuted before the
+    # scripted output is derived from it, and the output permuted, so only a gateway that
+    # obfuscates with the same secret gets the text it would get without obfuscation.
+    obfuscation: ObfuscationProvider | None = None
 
     @property
     def address(self) -> str:
@@ -155,9 +160,10 @@ class EngineSim:
             request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
         )
         n = int(params.get("n", 1))  # choice c > 0 is scripted from the prompt and c
-        outputs = [
-            (self.tokens or self.script(body["token_ids"] + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)
-        ]
+        prompt = body["token_ids"]
+        if self.obfuscation is not None:
+            prompt = self.obfuscation.deobfuscate(prompt)
+        outputs = [(self.tokens or self.script(prompt + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)]
         tokens = outputs[0]
         finish = self.finish_reason if self.tokens and len(self.tokens) <= max_tokens else "length"
         stop_reason = self.stop_reason if finish == "stop" else None
@@ -200,16 +206,18 @@ class EngineSim:
                 "output_mode": "tokens",
                 **({"padding": "x" * self.pad_bytes} if self.pad_bytes else {}),
                 "choices": [
-                    {
-                        "index": c,
-                        "finish_reason": finish,
-                        "stop_reason": stop_reason,
-                        "token_ids": output,
-                        "routed_experts": None,
-                        "sampling_mask": None,
-                        "weight_versions": [{"version": "default", "start": 0, "end": len(output)}],
-                        "logprobs": _logprobs(output, top_k),
-                    }
+                    self._physical(
+                        {
+                            "index": c,
+                            "finish_reason": finish,
+                            "stop_reason": stop_reason,
+                            "token_ids": output,
+                            "routed_experts": None,
+                            "sampling_mask": None,
+                            "weight_versions": [{"version": "default", "start": 0, "end": len(output)}],
+                            "logprobs": _logprobs(output, top_k),
+                        }
+                    )
                     for c, output in enumerate(outputs)
                 ],
             }
@@ -275,10 +283,29 @@ class EngineSim:
                     "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
                     "logprobs": _logprobs([tokens[i]], top_k),
                 }
-                yield _sse({"request_id": request_id, "usage": None, "output_mode": "tokens", "choices": [choice]})
+                event = {
+                    "request_id": request_id,
+                    "usage": None,
+                    "output_mode": "tokens",
+                    "choices": [self._physical(choice)],
+                }
+                yield _sse(event)
         if include_usage:
             yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
         yield b"data: [DONE]\n\n"
+
+    def _physical(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A choice's ids as obfuscated weights emit them (as is without obfuscation)."""
+        if self.obfuscation is None:
+            return choice
+        permute = self.obfuscation.obfuscate
+        logprobs = choice["logprobs"]
+        if logprobs is not None:
+            for entry in logprobs["content"]:
+                entry["token_id"] = permute([entry["token_id"]])[0]
+                for top in entry["top_logprobs"]:
+                    top["token_id"] = permute([top["token_id"]])[0]
+        return {**choice, "token_ids": permute(choice["token_ids"])}
 
     async def native(self, request: Request) -> Response:
         """The engine's own OpenAI endpoints (the native path): a fixed short answer."""

@@ -25,6 +25,7 @@ from ext_proc.derender.sidecar import DerenderClient, SidecarDerender
 from ext_proc.derender.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
+from ext_proc.obfuscation import TokenCodec
 from ext_proc.protocol import TokenizedRequest
 
 log = logging.getLogger("tito.derender")
@@ -89,13 +90,43 @@ def _consume_error(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def build_derenderer(config: TitoConfig, client: DerenderClient) -> Derenderer:
+class SemanticDerender:
+    """Token obfuscation's decoding side: engine ids made semantic, in place, before either
+    backend (or a relay counting committed ids) sees them. A decoded event goes on without
+    its raw payload (the sidecar serializes the event instead; in-process never reads it)."""
+
+    def __init__(self, inner: Derenderer, codec: TokenCodec) -> None:
+        self._inner = inner
+        self._codec = codec
+
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
+        return _SemanticStream(self._inner.stream(request, prompt_index), self._codec)
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+        generate = generate_response(generate_body)
+        self._codec.semantic_event(generate)
+        return await self._inner.whole(request, orjson.dumps(generate))
+
+
+class _SemanticStream:
+    def __init__(self, inner: StreamSession, codec: TokenCodec) -> None:
+        self._inner = inner
+        self._codec = codec
+
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        for event, _ in events:
+            self._codec.semantic_event(event)
+        return await self._inner.steps([(event, b"") for event, _ in events])
+
+
+def build_derenderer(config: TitoConfig, client: DerenderClient, codec: TokenCodec | None = None) -> Derenderer:
     """The configured backend. Both load the engines' tokenizer (vLLM, torch: seconds) now,
     at start-up, never on a request; the sidecar mode uses it only for its corrections."""
     model = DerenderModel(config.model)
-    if config.derender.mode == "sidecar":
-        return SidecarDerender(client, model)
-    return InProcessDerender(model)
+    backend: Derenderer = (
+        SidecarDerender(client, model) if config.derender.mode == "sidecar" else InProcessDerender(model)
+    )
+    return backend if codec is None else SemanticDerender(backend, codec)
 
 
 class StreamDerender:

@@ -83,6 +83,8 @@ class Exchange(EnvoyStream):
         elif handler == "health":
             self.mode = Mode.LOCAL
             yield msg.immediate_response(200, b'{"status":"ok"}')
+        elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
+            yield self._refuse(refused)
         elif handler == "passthrough":
             self._plan, self.mode = self._s.planner.passthrough(), Mode.FORWARD
             yield msg.request_headers_reply(remove=self._unforwarded(), destination=",".join(self._plan.hosts))
@@ -159,8 +161,7 @@ class Exchange(EnvoyStream):
         return msg.immediate_response(error.status, error.body)
 
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
-        message = f"internal gateway error (request {self.request_id})"
-        error = GatewayError(500, message, code="internal_error")
+        error = GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")
         if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
         if isinstance(self._handler, StreamResponse):  # the client has the headers: end its stream

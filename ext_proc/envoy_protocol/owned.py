@@ -32,6 +32,7 @@ class OwnedAnswer:
             config.reschedule,
             config.listener.stream_idle_timeout_s,
             config.processor.max_response_bytes,
+            services.codec,
         )
         self._stream = stream
         self._services = services

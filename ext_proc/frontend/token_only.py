@@ -47,14 +47,14 @@ def generate_body(
     a client's values never get here."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
-    rendered = prompt.generate_request
+    rendered = prompt.engine_request or prompt.generate_request  # physical ids with obfuscation on
     body = {key: rendered[key] for key in _GENERATE_FIELDS if rendered.get(key) is not None}
     if request_id is not None:
         body["request_id"] = request_id
     # extra_args carries the client's `vllm_xargs` (and a `kv_transfer_params` render moved there)
-    params = {k: v for k, v in prompt.sampling_params.items() if k != "extra_args"}
+    params = {k: v for k, v in rendered["sampling_params"].items() if k != "extra_args"}
     params["max_tokens"] = max_tokens
-    logprobs = prompt.sampling_params.get("logprobs")
+    logprobs = params.get("logprobs")
     if api is ApiKind.COMPLETIONS and isinstance(logprobs, int) and 0 <= logprobs < MAX_LOGPROBS:
         # Completions show the sampled token plus the top k; generate cuts its list to k
         # entries in all, so ask for one more and let derender keep ranks 1..k.

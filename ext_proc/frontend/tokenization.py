@@ -17,6 +17,7 @@ from typing import Any
 
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import RenderClient, RenderRejected, RenderUnavailable
+from ext_proc.obfuscation import TokenCodec
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import CircuitBreaker
 
@@ -111,10 +112,17 @@ class LocalTokenizer:
 
 
 class TokenizationService:
-    def __init__(self, render: RenderClient | None, breaker: CircuitBreaker, local: LocalTokenizer) -> None:
+    def __init__(
+        self,
+        render: RenderClient | None,
+        breaker: CircuitBreaker,
+        local: LocalTokenizer,
+        codec: TokenCodec | None = None,
+    ) -> None:
         self._render = render  # None: render disabled in the config
         self._breaker = breaker
         self.local = local
+        self.codec = codec  # token obfuscation: physical ids for the engines, and no fallback
         self.fallbacks: Counter[str] = Counter()
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
@@ -136,7 +144,14 @@ class TokenizationService:
                 raise
             else:
                 self._breaker.record_success()
-                return tokenized
+                return tokenized if self.codec is None else self.codec.physical(tokenized)
+        if self.codec is not None:  # fail closed: local ids would reach the engines unpermuted
+            self.fallbacks[reason] += 1
+            raise GatewayError(
+                503,
+                f"render is unavailable ({reason}) and token obfuscation allows no fallback",
+                code="render_unavailable",
+            )
         return await self._fallback(request, request_id, reason, started)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:

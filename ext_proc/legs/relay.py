@@ -27,6 +27,7 @@ from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.legs.generate import Opened, open_generate, read_whole
+from ext_proc.obfuscation import TokenCodec
 from ext_proc.planning.plan import Leg, Owned
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import PromptTokens
@@ -45,6 +46,7 @@ class OwnedContext:
     reschedule: RescheduleConfig
     idle_timeout_s: float
     max_response_bytes: int
+    codec: TokenCodec | None = None  # token obfuscation: a relay's prompt in physical ids too
 
 
 class EngineFailure(Exception):
@@ -198,6 +200,8 @@ class PromptStream:
         ids = self._first.prompt.token_ids + self.committed
         rendered = self._first.prompt.generate_request
         prompt = PromptTokens(ids, {**(rendered or {}), "token_ids": ids})
+        if self._ctx.codec is not None:
+            prompt = self._ctx.codec.prompt(prompt)  # re-obfuscated, committed ids included
         left = self._first.max_tokens - len(self.committed)
         tried = tuple(h for hosts in self._open_leases.values() for h in hosts)
         self._leg = self._ctx.planner.prompt_leg(

@@ -196,6 +196,12 @@ def _error(status: int, message: str, code: str) -> tuple[int, bytes]:
     return status, GatewayError(status, message, code=code).body
 
 
+async def error_answer(error: GatewayError, end: bool) -> Outs:
+    """The gateway's own error as the client's whole response, instead of the engine's."""
+    yield Head(error.status, JSON)
+    yield Chunk(error.body, end)
+
+
 async def replay_native(
     http: httpx.AsyncClient, address: str, request: OpenAIRequest, idle_timeout_s: float, end: bool
 ) -> Outs:

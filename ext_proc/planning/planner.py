@@ -14,7 +14,7 @@ else a 503.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from ext_proc.config import TitoConfig
@@ -49,6 +49,13 @@ class Planner:
     def passthrough(self) -> Passthrough:
         return Passthrough(self.scheduler.passthrough_hosts())
 
+    def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
+        """501 for a POST with token obfuscation on: what the gateway does not render
+        (`/v1/responses`, `/v1/messages`, ...) an engine would tokenize itself, in plaintext."""
+        if headers.get(":method") == "POST" and self._config.obfuscation.enable:
+            return GatewayError(501, "not available with token obfuscation on", code="unsupported_with_obfuscation")
+        return None
+
     async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> Plan:
         try:
             model = self._config.model
@@ -79,6 +86,9 @@ class Planner:
             or not tokenized.complete
             or not self.scheduler.supports_token_only(decision.instance.address)
         ):
+            if self._config.obfuscation.enable:  # fail closed: a native endpoint gets plaintext
+                self.finish(decision.request_id)
+                raise token_only_required(decision.instance.address)
             return Native(tokenized.request, native_body(tokenized.request, raw), decision.request_id, decision.hosts)
         prompt = tokenized.prompts[0]
         leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
@@ -123,7 +133,7 @@ class Planner:
         passes the prompt grown by the committed ids, the budget left and the instances
         that failed."""
         budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
-        request = ScheduleRequest(lease_id, prompt.token_ids, budget, tokenized.n)
+        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n)
         now = self._clock() if now is None else now
         role = Role.UNION if Role.UNION in self.scheduler.pools else Role.DECODE
         needs = None if role is Role.UNION else Capability.COLOCATION
@@ -156,7 +166,7 @@ class Planner:
             return leg_max_tokens(self._config, tokenized, prompt, Role.UNION)
 
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
-        return ScheduleRequest(tokenized.request_id, first.token_ids, budget(first), n, others)
+        return ScheduleRequest(tokenized.request_id, first.engine_ids, budget(first), n, others)
 
     def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
         """Prefill and decode, when a healthy pair exists (None: serve alone). Trigger when
@@ -167,7 +177,7 @@ class Planner:
         prompt, rid = tokenized.prompts[0], tokenized.request_id
         max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
         decode_request = ScheduleRequest(
-            f"{rid}-decode", prompt.token_ids, max_tokens, tokenized.n, charge_prompt=False
+            f"{rid}-decode", prompt.engine_ids, max_tokens, tokenized.n, charge_prompt=False
         )
         prefill = self._pick_prefill(tokenized, now, attempt=0)
         if isinstance(prefill, Rejection):
@@ -197,7 +207,7 @@ class Planner:
         self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()
     ) -> Pick | Rejection:
         prompt = tokenized.prompts[0]
-        request = ScheduleRequest(f"{tokenized.request_id}-prefill-{attempt}", prompt.token_ids, PREFILL_MAX_TOKENS)
+        request = ScheduleRequest(f"{tokenized.request_id}-prefill-{attempt}", prompt.engine_ids, PREFILL_MAX_TOKENS)
         return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
 
     def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
@@ -245,3 +255,11 @@ def prefill_body(plan: TokenOnly) -> bytes:
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
     """What the exchange keeps for the life of the stream: no steering fields, no metadata."""
     return replace(tokenized, request=tokenized.request.kept())
+
+
+def token_only_required(address: str) -> GatewayError:
+    return GatewayError(
+        503,
+        f"engine {address} has no token-only generate, and token obfuscation forbids its native endpoint",
+        code="token_only_required",
+    )

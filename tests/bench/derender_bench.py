@@ -6,7 +6,10 @@ with the qwen3 and hermes parsers, as the processor runs it. Prints the median c
 first and last 200 chunks (their ratio must stay near 1: no per-chunk work that grows with
 the output) and the chunks/s one process reaches on this stage alone.
 
-    python -m tests.bench.derender_bench [--tokens 2000]
+With token obfuscation on, the same stream in physical ids, deobfuscated event by event
+first: the chunks/s of both, interleaved, and their ratio.
+
+    python -m tests.bench.derender_bench [--tokens 2000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from ext_proc.config import ModelConfig
 from ext_proc.derender.in_process import ChatStream, DerenderModel
+from ext_proc.obfuscation import KeyedPermutation, TokenCodec, added_token_ids, vocab_size_of
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.tools.tiny_model import ensure_tiny_model
 
@@ -55,19 +59,32 @@ def request(model: DerenderModel) -> TokenizedRequest:
     return TokenizedRequest(OpenAIRequest(ApiKind.CHAT, body), "chatcmpl-bench", [prompt])
 
 
-def run(n_tokens: int) -> dict[str, float]:
+def load_model() -> DerenderModel:
     path = str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))
-    model = DerenderModel(
-        ModelConfig(path=path, reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    )
+    config = ModelConfig(path=path, reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    return DerenderModel(config)
+
+
+def codec_for(model: DerenderModel) -> TokenCodec:
+    """Token obfuscation as the processor runs it for this model (a fixed test secret)."""
+    path = Path(model.tokenizer.name_or_path)
+    return TokenCodec(KeyedPermutation(vocab_size_of(path), added_token_ids(path), b"bench-secret"))
+
+
+def run(model: DerenderModel, n_tokens: int, codec: TokenCodec | None = None) -> dict[str, float]:
+    """With `codec`, the engine's ids are physical and each event is deobfuscated first, as
+    the processor does with token obfuscation on (timed with the derender step)."""
     ids = answer_ids(model, n_tokens)
+    sent = ids if codec is None else codec.physical_ids(ids)
     stream = ChatStream(model, request(model))
     costs: list[float] = []
     out = bytearray()
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
+    for i, token in enumerate(sent):
+        last = i == len(sent) - 1
         event = {"choices": [{"index": 0, "token_ids": [token], "finish_reason": "stop" if last else None}]}
         start = time.perf_counter()
+        if codec is not None:
+            codec.semantic_event(event)
         out += stream.steps([event])
         costs.append(time.perf_counter() - start)
     window = min(200, len(costs) // 4)
@@ -88,8 +105,15 @@ def run(n_tokens: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5, help="obfuscation off/on runs, interleaved")
     args = parser.parse_args()
-    r = run(args.tokens)
+    model = load_model()
+    codec = codec_for(model)
+    plain, obfuscated = [], []
+    for _ in range(args.rounds):
+        plain.append(run(model, args.tokens))
+        obfuscated.append(run(model, args.tokens, codec))
+    r = plain[len(plain) // 2]
     print(f"in-process derender, qwen3+hermes, {r['tokens']:.0f}-token stream, one token per event")
     print(f"  per chunk: first {r['first_us']:.1f} µs, last {r['last_us']:.1f} µs, last/first {r['growth']:.2f}")
     print(f"  derender stage alone: {r['chunks_per_s']:.0f} chunks/s on one core")
@@ -97,6 +121,11 @@ def main() -> None:
         f"  parsed: {r['reasoning_chunks']:.0f} reasoning chunks, {r['content_chunks']:.0f} content chunks, "
         f"tool call {'found' if r['tool_call_parsed'] else 'MISSING'}"
     )
+    off = statistics.median(x["chunks_per_s"] for x in plain)
+    on = statistics.median(x["chunks_per_s"] for x in obfuscated)
+    same = all(x["tool_call_parsed"] for x in obfuscated)
+    print(f"  token obfuscation: {on:.0f} chunks/s on vs {off:.0f} off (median of {args.rounds}): x{on / off:.3f}")
+    print(f"    (deobfuscation per event included; output with obfuscation {'parsed' if same else 'BROKEN'})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""Token obfuscation through real Envoy and the real render sidecar, over an engine simulator
+serving "obfuscated weights": it de-permutes the ids it gets and permutes the ids it emits
+with the same secret, so the client sees the text of a plain gateway over a plain engine
+only if the gateway obfuscates every id it sends and deobfuscates every id it receives.
+And it fails closed: render down or an engine without token-only generate is a 503, never
+the local tokenizer or the native path (both would hand the engine plaintext)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ext_proc.obfuscation import KeyedPermutation, added_token_ids, vocab_size_of
+from tests.conftest import RunningStack, SimGateway, start_sim_gateway
+from tests.engine_sim import Fault
+from tests.render_proxy import RenderFault, RenderProxy, RenderProxyServer
+from tests.servers import ThreadedServer
+
+SECRET = "correct horse battery staple 7f3a"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something, 東京 🐉"}], "max_tokens": 12}
+COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 12, "logprobs": 2}
+CASES = {
+    "chat": ("/v1/chat/completions", CHAT),
+    "chat-stream": ("/v1/chat/completions", {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 2}),
+    "completions": ("/v1/completions", COMPLETION),
+    "completions-stream": ("/v1/completions", {**COMPLETION, "stream": True}),
+    "batch": ("/v1/completions", {**COMPLETION, "prompt": ["one", "two two"]}),
+}
+
+
+class Pair:
+    """The same simulators behind two gateways: one plain, one obfuscating (its render
+    behind a fault proxy)."""
+
+    def __init__(self, stack: RunningStack, tmp: Path) -> None:
+        secret_file = tmp / "secret"
+        secret_file.write_text(SECRET + "\n")
+        model = Path(stack.model_path)
+        self.permutation = KeyedPermutation(vocab_size_of(model), added_token_ids(model), SECRET.encode())
+        self.proxy = RenderProxy(stack.config.render_config.endpoint.url)
+        self.proxy_server: ThreadedServer = RenderProxyServer(self.proxy).start()
+        self.servers: list[ThreadedServer] = []
+        self.plain, servers = start_sim_gateway(stack, tmp / "plain", 1)
+        self.servers += servers
+        routes = [
+            {"method": "POST", "path": "/v1/chat/completions", "handler": "chat"},
+            {"method": "POST", "path": "/v1/completions", "handler": "completions"},
+            {"method": "POST", "path": "/v1/responses", "handler": "passthrough"},
+            {"method": "POST", "path": "/v1/messages", "handler": "passthrough"},
+            {"method": "GET", "path": "/v1/models", "handler": "passthrough"},
+        ]
+        self.obfuscated, servers = start_sim_gateway(
+            stack,
+            tmp / "obfuscated",
+            1,
+            render_port=self.proxy_server.port,
+            listener={"routes": routes},
+            obfuscation={"enable": True, "secret_file": str(secret_file)},
+            render_config={"breaker_cooldown_s": 0.0},
+        )
+        self.servers += servers
+        self.obfuscated.sims[0].obfuscation = self.permutation
+
+    def stop(self) -> None:
+        for gateway in (self.plain, self.obfuscated):
+            gateway.gateway.stop()
+        for server in [*self.servers, self.proxy_server]:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    started = Pair(stack, tmp_path_factory.mktemp("obfuscation"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def gw(pair: Pair) -> Iterator[Pair]:
+    for gateway in (pair.plain, pair.obfuscated):
+        gateway.restore()
+    pair.proxy.faults.clear()
+    yield pair
+    pair.obfuscated.assert_no_leaks()
+    pair.proxy.faults.clear()
+
+
+def _post(gateway: SimGateway, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gateway.base_url + path, json=body, timeout=30, trust_env=False)
+
+
+def _visible(response: httpx.Response) -> Any:
+    """What the client sees, less what differs between any two answers (ids, times, and how a
+    stream's text is cut into chunks, which follows timing)."""
+    assert response.status_code == 200, response.text
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        answer = response.json()
+        answer.pop("id"), answer.pop("created")
+        return answer
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    merged: dict[int, dict[str, Any]] = {}
+    for event in map(orjson.loads, events[:-1]):
+        for choice in event["choices"]:
+            into = merged.setdefault(choice["index"], {"text": "", "logprobs": [], "finish_reason": None})
+            delta = choice.get("delta") or {}
+            into["text"] += choice.get("text") or delta.get("content") or delta.get("reasoning") or ""
+            logprobs = choice.get("logprobs") or {}
+            into["logprobs"] += logprobs.get("content") or logprobs.get("tokens") or []
+            into["finish_reason"] = choice.get("finish_reason") or into["finish_reason"]
+    return merged
+
+
+def _render_ids(stack: RunningStack, path: str, body: dict[str, Any]) -> list[list[int]]:
+    """The semantic prompt ids, as the render sidecar makes them."""
+    url = stack.config.render_config.endpoint.url + path + "/render"
+    rendered = httpx.post(url, json=body, timeout=30, trust_env=False).json()
+    return [r["token_ids"] for r in (rendered if isinstance(rendered, list) else [rendered])]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_client_sees_what_a_plain_gateway_shows_and_engines_see_only_physical_ids(
+    gw: Pair, stack: RunningStack, case: str
+) -> None:
+    path, body = CASES[case]
+    plain = _visible(_post(gw.plain, path, body))
+    assert _visible(_post(gw.obfuscated, path, body)) == plain
+
+    semantic = _render_ids(stack, path, body)
+    received = [r.json()["token_ids"] for r in gw.obfuscated.sims[0].generate_requests()]
+    assert sorted(received) == sorted(gw.permutation.obfuscate(ids) for ids in semantic)
+    assert all(r != ids for r, ids in zip(sorted(received), sorted(semantic), strict=True))
+
+    gw.obfuscated.sims[0].obfuscation = None  # plain weights behind an obfuscating gateway: other text
+    try:
+        assert _visible(_post(gw.obfuscated, path, body)) != plain
+    finally:
+        gw.obfuscated.sims[0].obfuscation = gw.permutation
+
+
+def test_render_down_is_a_503_and_the_local_tokenizer_is_never_loaded(gw: Pair) -> None:
+    gw.proxy.faults.append(RenderFault("render", "status", status=503))
+    response = _post(gw.obfuscated, "/v1/chat/completions", CHAT)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "render_unavailable"
+    state = gw.obfuscated.state()["tokenization"]
+    assert state["local_tokenizer_loaded"] is False
+    assert gw.obfuscated.sims[0].received == []
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_text_apis_an_engine_would_tokenize_itself_are_501(gw: Pair, path: str) -> None:
+    response = _post(gw.obfuscated, path, {"model": "tiny", "input": "hi"})
+    assert response.status_code == 501, response.text
+    assert response.json()["error"]["type"]
+    assert gw.obfuscated.sims[0].received == []
+    models = httpx.get(gw.obfuscated.base_url + "/v1/models", timeout=10, trust_env=False)
+    assert models.status_code == 200
+
+
+def test_the_secret_is_in_no_log_metric_error_or_config(gw: Pair) -> None:
+    gw.proxy.faults.append(RenderFault("render", "status", status=503))
+    seen = [_post(gw.obfuscated, "/v1/completions", COMPLETION).text]
+    gw.proxy.faults.clear()
+    seen.append(_post(gw.obfuscated, "/v1/completions", {**COMPLETION, "prompt": [10**9]}).text)
+    admin = f"http://127.0.0.1:{gw.obfuscated.config.processor.admin_port}"
+    seen += [httpx.get(admin + p, timeout=10, trust_env=False).text for p in ("/metrics", "/debug/state")]
+    work = gw.obfuscated.gateway.work_dir
+    seen += [p.read_text(errors="replace") for p in work.rglob("*") if p.is_file() and p.name != "secret"]
+    seen.append(gw.obfuscated.config.to_yaml())
+    assert len(seen) > 6
+    for text in seen:
+        assert SECRET not in text and SECRET.split()[-1] not in text
+
+
+def test_an_id_outside_the_vocabulary_is_a_400(gw: Pair) -> None:
+    response = _post(gw.obfuscated, "/v1/completions", {**COMPLETION, "prompt": [10**9]})
+    assert response.status_code == 400, response.text
+    assert gw.obfuscated.sims[0].received == []
+
+
+def test_an_engine_without_token_only_generate_is_a_503_with_no_native_call(gw: Pair) -> None:
+    """Last in the module: the processor remembers the instance for its life."""
+    gw.obfuscated.sims[0].fault = Fault("status", status=404, times=1)
+    response = _post(gw.obfuscated, "/v1/completions", COMPLETION)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "token_only_required"
+    assert [r.path for r in gw.obfuscated.sims[0].received] == ["/inference/v1/generate"]
+    # Remembered: a stream is refused before any engine call, where it would have gone native.
+    again = _post(gw.obfuscated, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert again.status_code == 503, again.text
+    assert again.json()["error"]["code"] == "token_only_required"
+    assert [r.path for r in gw.obfuscated.sims[0].received] == ["/inference/v1/generate"]
