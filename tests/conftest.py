@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import os
 import signal
 import socket
@@ -38,10 +39,23 @@ def missing(component: str) -> None:
     pytest.skip(message)
 
 
+# Below Linux's ephemeral range (32768-60999): a port the OS picked (bind to 0) is free only
+# until some outgoing connection takes it as its source port, which happened between
+# `free_port()` and Envoy's bind. Here nothing but these tests hands ports out, each once.
+_PORTS = itertools.count(20000 + os.getpid() % 500 * 8)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for port in _PORTS:
+        if port >= 32768:
+            break
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port left below the ephemeral range")
 
 
 def port_open(port: int) -> bool:
