@@ -109,7 +109,13 @@ class ProcessorConfig(_Strict):
 
 
 class RenderConfig(_Strict):
+    """sidecar: the render sidecar over HTTP (the RFC's Render service). in_process: vLLM's
+    own renderer (what the sidecar serves) loaded into the processor at start-up, no HTTP hop:
+    ~2 ms per chat render instead of 7-11 ms through the sidecar; the same answers and
+    outcomes (fallback, rejection)."""
+
     enable: bool = True
+    mode: Literal["sidecar", "in_process"] = "sidecar"
     endpoint: Endpoint = Endpoint(port=8100)
     timeout_ms: int = 5000
     breaker_cooldown_s: float = 5.0  # after a render failure, requests skip render this long

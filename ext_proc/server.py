@@ -17,7 +17,7 @@ from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
-from ext_proc.frontend.render import RenderClient
+from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.trigger import Triggers
@@ -98,12 +98,27 @@ def _pool(config: PoolConfig) -> Pool:
     return Pool(config.name, role, tuple(instance(i) for i in config.instances), config.block_size)
 
 
-def build_services(config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport) -> Services:
+async def build_renderer(config: TitoConfig, http: httpx.AsyncClient) -> Renderer | None:
+    """The configured render (None: disabled): the sidecar's client, or vLLM's renderer
+    loaded into this process now (seconds), never on a request."""
+    render = config.render_config
+    if not render.enable:
+        return None
+    if render.mode == "in_process":
+        from ext_proc.frontend.render_in_process import InProcessRender
+
+        return await InProcessRender.load(config.model)
+    return RenderClient(render, http)
+
+
+def build_services(
+    config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, renderer: Renderer | None = None
+) -> Services:
     render = config.render_config
     cooldown = render.breaker_cooldown_s
     codec = build_codec(config)
     tokenization = TokenizationService(
-        RenderClient(render, http) if render.enable else None,
+        renderer,
         CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
         LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
         codec,
@@ -141,7 +156,7 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
     )
     http, streams = http_client(config)
     async with http:
-        services = build_services(config, http, streams)
+        services = build_services(config, http, streams, await build_renderer(config, http))
         # Everything loaded so far (vLLM, torch, tokenizers: millions of objects) lives as long
         # as the process: out of the collector's reach, a full collection no longer stalls
         # every stream for up to a second (measured by the loop-lag monitor).

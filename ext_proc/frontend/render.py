@@ -1,4 +1,5 @@
-"""Render client: OpenAI request -> token-only GenerateRequest(s), through the render sidecar.
+"""Render client: OpenAI request -> token-only GenerateRequest(s), through the render sidecar
+(or vLLM's renderer in the processor: `render_in_process.py`, the same outcomes).
 
 Typed outcomes (RFC fault table, "Render Token In" and "Render 请求校验" rows):
 - a TokenizedRequest;
@@ -10,7 +11,7 @@ Typed outcomes (RFC fault table, "Render Token In" and "Render 请求校验" row
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -34,6 +35,12 @@ class RenderUnavailable(Exception):
         self.reason = reason  # timeout | unavailable | unsupported | invalid_response
 
 
+class Renderer(Protocol):
+    """Render, wherever it runs: a TokenizedRequest, `RenderRejected` or `RenderUnavailable`."""
+
+    async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest: ...
+
+
 class RenderClient:
     def __init__(self, config: RenderConfig, http: httpx.AsyncClient) -> None:
         self._base = config.endpoint.url
@@ -53,16 +60,18 @@ class RenderClient:
             raise RenderUnavailable("timeout", repr(exc)) from exc
         except httpx.HTTPError as exc:
             raise RenderUnavailable("unavailable", repr(exc)) from exc
-        status = response.status_code
-        if status in (400, 422) or (status == 404 and _is_openai_error(response.content)):
-            raise RenderRejected(
-                status, "render rejected the request", body=normalize_error_body(status, response.content)
-            )
-        if status in UNSUPPORTED_STATUSES:
-            raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
-        if status != 200:
-            raise RenderUnavailable("unavailable", f"HTTP {status}")
-        return _tokenized(request, response.content)
+        return rendered(request, response.status_code, response.content)
+
+
+def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedRequest:
+    """Render's answer (status and JSON body, from the sidecar or in-process) as an outcome."""
+    if status in (400, 422) or (status == 404 and _is_openai_error(body)):
+        raise RenderRejected(status, "render rejected the request", body=normalize_error_body(status, body))
+    if status in UNSUPPORTED_STATUSES:
+        raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
+    if status != 200:
+        raise RenderUnavailable("unavailable", f"HTTP {status}")
+    return _tokenized(request, body)
 
 
 def _is_openai_error(body: bytes) -> bool:

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any
 
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.render import RenderClient, RenderRejected, RenderUnavailable
+from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import CircuitBreaker
@@ -114,7 +114,7 @@ class LocalTokenizer:
 class TokenizationService:
     def __init__(
         self,
-        render: RenderClient | None,
+        render: Renderer | None,
         breaker: CircuitBreaker,
         local: LocalTokenizer,
         codec: TokenCodec | None = None,

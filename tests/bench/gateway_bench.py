@@ -54,7 +54,7 @@ def machine_summary() -> str:
 
 
 def stack_config(
-    work_dir: Path, model_path: Path, parsers: bool, derender: str, max_model_len: int = 2048
+    work_dir: Path, model_path: Path, parsers: bool, derender: str, max_model_len: int = 2048, render: str = "sidecar"
 ) -> TitoConfig:
     """`tito up`'s config on free ports (so it runs next to other stacks)."""
     model: dict[str, Any] = {"path": str(model_path), "max_model_len": max_model_len}
@@ -64,7 +64,7 @@ def stack_config(
         {
             "listener": {"port": free_port(), "admin_port": free_port()},
             "processor": {"port": free_port(), "admin_port": free_port()},
-            "render_config": {"endpoint": {"port": free_port()}},
+            "render_config": {"endpoint": {"port": free_port()}, "mode": render},
             "derender": {"mode": derender},
             "model": model,
             "pools": [{"instances": [{"port": free_port()}]}],
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--parsers", action=argparse.BooleanOptionalAction, default=True, help="qwen3 + hermes")
     parser.add_argument("--derender", choices=["in_process", "sidecar"], default="in_process")
+    parser.add_argument("--render", choices=["sidecar", "in_process"], default="sidecar")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, help="per side and max_tokens value (default: 2 * concurrency)")
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tito-gateway-bench-"))
     model_path = ensure_tiny_model(Path(args.cache_dir).expanduser())
     longest = max(args.max_tokens)
-    config = stack_config(work_dir, model_path, args.parsers, args.derender, max(2048, longest + 512))
+    config = stack_config(work_dir, model_path, args.parsers, args.derender, max(2048, longest + 512), args.render)
     stack = LocalStack(config, work_dir)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the stack on a plain kill too
     reports: list[BenchReport] = []
@@ -132,10 +133,17 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
     parsers = "qwen3 + hermes parsers" if args.parsers else "no parsers"
     if args.json:
-        summary = {"derender": args.derender, "parsers": args.parsers, "machine": machine_summary()}
+        summary = {
+            "render": args.render,
+            "derender": args.derender,
+            "parsers": args.parsers,
+            "machine": machine_summary(),
+        }
         print(json.dumps({**summary, "reports": [r.to_json() for r in reports]}, indent=2))
     else:
-        print(f"summary: derender {args.derender}, {parsers}, {args.concurrency} concurrent streams")
+        print(
+            f"summary: render {args.render}, derender {args.derender}, {parsers}, {args.concurrency} concurrent streams"
+        )
         for r in reports:
             g, n = r.sides["gateway"], r.sides["native"]
             print(

@@ -1,0 +1,100 @@
+"""Render in the processor: vLLM's own `ServingRender`, the object `vllm launch render` serves,
+built from the same flags as the sidecar and called without the HTTP hop. Its answers are
+serialized exactly as the sidecar's routes serialize them and go through the same outcome
+mapping (`render.rendered`), so the gateway cannot tell the two apart except by latency.
+
+Loading imports vLLM and reads the model's config: seconds, once at start-up."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from ext_proc.config import ModelConfig
+from ext_proc.frontend.render import rendered
+from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
+from render_sidecar.launch import model_flags
+
+log = logging.getLogger("tito.render")
+
+
+class InProcessRender:
+    def __init__(self, serving: Any, args: Any) -> None:
+        self._serving = serving
+        self._args = args
+
+    @classmethod
+    async def load(cls, model: ModelConfig) -> InProcessRender:
+        from starlette.datastructures import State
+        from vllm import AsyncEngineArgs
+        from vllm.config import VllmConfig
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        if not model.path:
+            raise ValueError("in-process render needs model.path")
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(model_flags(model, model.path))  # type: ignore[no-untyped-call]
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        model_config.quantization = None  # as `vllm launch render`: preprocessing only
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            logging_config=engine_args.create_logging_config(),
+            structured_outputs_config=engine_args.create_structured_outputs_config(),
+        )
+        state = State()
+        await init_render_app_state(vllm_config, state, args)
+        return cls(state.serving_render, args)
+
+    async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        status, body = await self._answer(request.api, raw, request_id)
+        return rendered(request, status, body)
+
+    async def _answer(self, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, bytes]:
+        """(status, body) as the sidecar's route would answer."""
+        from fastapi.responses import JSONResponse
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        chat = api is ApiKind.CHAT
+        try:
+            parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(orjson.loads(raw))
+        except ValidationError as exc:
+            return await self._invalid(exc)
+        caller = self._caller(request_id)
+        try:
+            if chat:
+                result: Any = await self._serving.render_chat_request(parsed, caller)
+            else:
+                result = await self._serving.render_completion_request(parsed, caller)
+        except Exception as exc:  # what the sidecar's exception handlers answer (400 for bad input)
+            from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
+
+            log.info("in-process render raised %r", exc)
+            response = await exception_handler(caller, exc)
+            return response.status_code, bytes(response.body)
+        if isinstance(result, ErrorResponse):
+            return result.error.code, bytes(JSONResponse(content=result.model_dump()).body)
+        content = result.model_dump() if chat else [item.model_dump() for item in result]
+        return 200, bytes(JSONResponse(content=content).body)
+
+    async def _invalid(self, exc: ValidationError) -> tuple[int, bytes]:
+        """vLLM's own 400 for a request its models refuse (FastAPI locates errors in `body`)."""
+        from fastapi.exceptions import RequestValidationError
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+        response = await validation_exception_handler(self._caller(""), RequestValidationError(errors))
+        return response.status_code, bytes(response.body)
+
+    def _caller(self, request_id: str) -> Any:
+        """What vLLM's route code reads of the HTTP request: the request id header the sidecar
+        gets, and the server's args (for its error handlers)."""
+        app = SimpleNamespace(state=SimpleNamespace(args=self._args))
+        return SimpleNamespace(headers={"X-Request-Id": request_id}, app=app, state=SimpleNamespace())

@@ -1,0 +1,74 @@
+"""`render_config.mode: in_process` against the real render sidecar it replaces: for the same
+request body and request id, vLLM's renderer loaded into the processor answers what the
+sidecar answers over HTTP, byte for byte, errors included, and the gateway derives the same
+outcome (tokenized request, rejection) from both."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from ext_proc.frontend.render import RenderRejected, rendered
+from ext_proc.frontend.render_in_process import InProcessRender
+from ext_proc.protocol import ApiKind, OpenAIRequest
+from tests.conftest import RunningStack
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CHAT: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in 東京? 🐉"}]}
+CASES: dict[str, tuple[ApiKind, Any]] = {
+    "chat": (ApiKind.CHAT, {**CHAT, "max_tokens": 8, "stream": True, "seed": 3}),
+    "chat-tools-thinking-off": (
+        ApiKind.CHAT,
+        {**CHAT, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}, "logprobs": True},
+    ),
+    "chat-structured": (ApiKind.CHAT, {**CHAT, "structured_outputs": {"regex": "[a-z]{3}"}, "n": 2}),
+    "chat-no-max-tokens": (ApiKind.CHAT, {**CHAT, "stop": ["."], "temperature": 0}),
+    "completions": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": "Once upon", "max_tokens": 5, "echo": True}),
+    "completions-batch": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": ["one", "two two"], "logprobs": 2}),
+    "completions-ids": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": [5, 6, 7], "min_tokens": 2}),
+    "invalid-field": (ApiKind.CHAT, {**CHAT, "temperature": "hot"}),
+    "invalid-messages": (ApiKind.CHAT, {"model": "tiny", "messages": "hi"}),
+    "unknown-model": (ApiKind.COMPLETIONS, {"model": "nope", "prompt": "x"}),
+    "too-long": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": "hi " * 3000}),
+}
+
+
+@pytest.fixture(scope="module")
+def in_process(stack: RunningStack) -> Iterator[InProcessRender]:
+    model = stack.config.model.model_copy(update={"path": stack.model_path})
+    yield asyncio.run(InProcessRender.load(model))
+
+
+def _sidecar(stack: RunningStack, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, bytes]:
+    response = httpx.post(
+        stack.config.render_config.endpoint.url + api.render_path,
+        content=raw,
+        headers={"content-type": "application/json", "x-request-id": request_id},
+        timeout=30,
+        trust_env=False,
+    )
+    return response.status_code, response.content
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_process_render_answers_what_the_sidecar_answers(
+    stack: RunningStack, in_process: InProcessRender, case: str
+) -> None:
+    api, body = CASES[case]
+    raw = orjson.dumps(body)
+    sidecar = _sidecar(stack, api, raw, "parity-1")
+    local = asyncio.run(in_process._answer(api, raw, "parity-1"))
+    assert local[0] == sidecar[0]
+    assert orjson.loads(local[1]) == orjson.loads(sidecar[1])
+    request = OpenAIRequest(api, body)
+    if sidecar[0] == 200:
+        assert asyncio.run(in_process.render(request, raw, "parity-1")) == rendered(request, *sidecar)
+    else:
+        with pytest.raises(RenderRejected) as err:
+            asyncio.run(in_process.render(request, raw, "parity-1"))
+        assert err.value.status == sidecar[0]
