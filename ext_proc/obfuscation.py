@@ -113,7 +113,7 @@ class TokenCodec:
         for key in _ID_KEYED:
             if params.get(key):
                 physical = self.physical_ids([int(k) for k in params[key]])
-                params[key] = dict(zip(physical, params[key].values(), strict=True))
+                params[key] = {str(k): v for k, v in zip(physical, params[key].values(), strict=True)}  # JSON keys
         return replace(prompt, engine_request={**rendered, "token_ids": ids, "sampling_params": params})
 
     def physical_ids(self, ids: Sequence[int]) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.token_only import generate_body
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, build_codec
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
@@ -65,7 +66,8 @@ def test_a_prompt_gets_physical_ids_and_id_valued_sampling_params() -> None:
     params = prompt.engine_request["sampling_params"]
     assert params["stop_token_ids"] == p.obfuscate([8])
     assert params["allowed_token_ids"] == p.obfuscate([10, 11])
-    assert params["logit_bias"] == {p.obfuscate([9])[0]: 1.5}
+    assert params["logit_bias"] == {str(p.obfuscate([9])[0]): 1.5}
+    generate_body(prompt, 4, ApiKind.COMPLETIONS)  # serializable as it is
     assert params["n"] == 1
     with pytest.raises(GatewayError) as err:
         codec.prompt(PromptTokens([5, 6]))  # locally tokenized: never for an obfuscated engine
