@@ -112,7 +112,7 @@ async def build_renderer(config: TitoConfig, http: httpx.AsyncClient) -> Rendere
 
 
 def build_services(
-    config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, renderer: Renderer | None = None
+    config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, renderer: Renderer | None
 ) -> Services:
     render = config.render_config
     cooldown = render.breaker_cooldown_s
