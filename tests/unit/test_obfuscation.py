@@ -134,3 +134,8 @@ def test_the_prefix_index_is_keyed_on_physical_ids() -> None:
     assert index.match(index.hashes(prompt.engine_ids)) == {"127.0.0.1:8200": 4}  # blocks of 16
     assert index.match(index.hashes(semantic)) == {}
     planner.finish(plan.legs[0].lease_id)  # type: ignore[union-attr]
+
+
+def test_obfuscation_without_render_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="render_config.enable"):
+        TitoConfig.model_validate({"obfuscation": {"enable": True}, "render_config": {"enable": False}})
