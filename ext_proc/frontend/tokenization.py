@@ -145,17 +145,13 @@ class TokenizationService:
             else:
                 self._breaker.record_success()
                 return tokenized if self.codec is None else self.codec.physical(tokenized)
-        if self.codec is not None:  # fail closed: local ids would reach the engines unpermuted
-            self.fallbacks[reason] += 1
-            raise GatewayError(
-                503,
-                f"render is unavailable ({reason}) and token obfuscation allows no fallback",
-                code="render_unavailable",
-            )
         return await self._fallback(request, request_id, reason, started)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:
         self.fallbacks[reason] += 1
+        if self.codec is not None:  # fail closed: local ids would reach the engines unpermuted
+            message = f"render is unavailable ({reason}) and token obfuscation allows no fallback"
+            raise GatewayError(503, message, code="render_unavailable")
         try:
             ids = await self.local.token_ids(request)
         except GatewayError:  # the request itself is refused (a client chat template)
