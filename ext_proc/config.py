@@ -62,6 +62,8 @@ class ListenerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = 8080
     admin_port: int = 9901
+    # Envoy's admin (stats, /ready; also /quitquitquit): loopback unless a scraper needs it
+    admin_host: str = "127.0.0.1"
     routes: list[PublicRoute] = Field(default_factory=lambda: list(DEFAULT_ROUTES))
     max_request_bytes: int = 32 * MiB  # request bodies; the processor answers 413 as bytes cross it
     stream_idle_timeout_s: int = 300
@@ -106,6 +108,8 @@ class ProcessorConfig(_Strict):
     # Processor-owned streams (fan-out, relay): SSE pieces waiting for the client, per request;
     # when full, the engine streams wait (backpressure), nothing is dropped.
     owned_queue_depth: int = 32
+    # SIGTERM: open streams may finish this long; then they end with an error event
+    drain_timeout_s: float = 30.0
 
 
 class RenderConfig(_Strict):
@@ -238,6 +242,20 @@ class ObfuscationConfig(_Strict):
     fix_added_tokens: bool = True  # also keep the tokenizer's added tokens (chat control, tags)
 
 
+class LoggingConfig(_Strict):
+    """The processor's log lines: text, or one JSON object per line (stage fields as keys)."""
+
+    format: Literal["text", "json"] = "text"
+
+
+class TracingConfig(_Strict):
+    """Where traces go. The processor follows the standard OTEL_* variables first
+    (OTEL_EXPORTER_OTLP_ENDPOINT, ...); `collector` (an OTLP/gRPC endpoint) is their default
+    and also turns on Envoy's own tracing to the same collector. None and no OTEL_*: off."""
+
+    collector: Endpoint | None = None
+
+
 class LocalStackConfig(_Strict):
     """What `tito up` needs beyond the gateway itself."""
 
@@ -257,6 +275,8 @@ class TitoConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     reschedule: RescheduleConfig = RescheduleConfig()
     obfuscation: ObfuscationConfig = ObfuscationConfig()
+    logging: LoggingConfig = LoggingConfig()
+    tracing: TracingConfig = TracingConfig()
     local: LocalStackConfig = LocalStackConfig()
 
     @model_validator(mode="after")

@@ -55,6 +55,16 @@ class GatewayError(Exception):
         return self._body if self._body is not None else error_body(self.status, self.message, self.param, self.code)
 
 
+def error_code(body: bytes) -> str | None:
+    """The `code` of an OpenAI error body (None when it has none or is not one)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return None if code is None else str(code)
+
+
 def normalize_error_body(status: int, body: bytes) -> bytes:
     """An upstream error as an OpenAI error: already-OpenAI JSON passes unchanged."""
     try:

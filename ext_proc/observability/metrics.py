@@ -1,0 +1,152 @@
+"""The processor's Prometheus metrics (`tito_*`), one registry per processor process.
+
+Several processor processes each serve their own admin port (`processor.admin_port`), so each
+exposes its own numbers and Prometheus sums them: nothing is shared between processes, and no
+multiprocess directory is needed. Labels are bounded (API, status, error code, cause, engine
+instance); never a request id.
+
+Per-request series use prometheus_client. The one per-chunk series (derender time) is counted
+per request in a fixed array (`ChunkCounts`) and merged when the request ends: one `observe`
+of prometheus_client costs about 0.8 µs (a lock and a bucket walk), 5% of an in-process
+derender step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class ChunkHistogram(Collector):
+    """Derender time per chunk, for the hot path: power-of-two buckets in µs (1 µs … 131 ms),
+    so a chunk's bucket is one `bit_length` and a request keeps a fixed array of counts
+    (`ChunkCounts`), merged here when it ends. Single-threaded (the processor's loop)."""
+
+    BOUNDS_S = tuple(2**k / 1e6 for k in range(18))
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name, self._doc = name, documentation
+        self._counts = [0] * (len(self.BOUNDS_S) + 1)
+        self._sum = 0.0
+
+    def merge(self, chunks: ChunkCounts) -> None:
+        last = len(self.BOUNDS_S)  # longer than the last bound: +Inf
+        for index in range(last):
+            self._counts[index] += chunks.counts[index]
+        self._counts[last] += sum(chunks.counts[last:])
+        self._sum += chunks.seconds
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, running = [], 0
+        for bound, count in zip((*map(repr, self.BOUNDS_S), "+Inf"), self._counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        yield HistogramMetricFamily(self._name, self._doc, buckets=cumulative, sum_value=self._sum)
+
+
+class ChunkCounts:
+    """One request's derender chunks: counts per `ChunkHistogram` bucket (index = the
+    bit_length of the time in whole µs; 64 covers any duration), their sum, first and last."""
+
+    __slots__ = ("counts", "seconds", "first", "end")
+
+    def __init__(self) -> None:
+        self.counts = [0] * 64
+        self.seconds = 0.0
+        self.first = 0.0  # the first chunk's start
+        self.end = 0.0  # the last chunk's end
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts)
+
+
+class StateGauges(Collector):
+    """What `/debug/state` shows, as gauges read at scrape time."""
+
+    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        scheduler = state["scheduler"]
+        yield _gauge("tito_active_exchanges", "Envoy streams the processor is serving", state["active_exchanges"])
+        yield _gauge("tito_open_http_streams", "HTTP streams open to render and engines", state["open_http_streams"])
+        yield _gauge("tito_inflight_bytes", "request and response bytes held in flight", state["inflight_bytes"])
+        yield _gauge("tito_trigger_waiting", "Trigger decode legs waiting for their callback", state["trigger_waiting"])
+        yield _gauge("tito_admitted_tokens", "tokens admitted and not yet released", scheduler["total_active_tokens"])
+        yield _gauge(
+            "tito_event_loop_lag_p99_ms", "event-loop lag, p99 of the last minute", state["event_loop_lag"]["p99_ms"]
+        )
+        yield _gauge("tito_event_loop_lag_max_ms", "event-loop lag, max since start", state["event_loop_lag"]["max_ms"])
+        yield _gauge("tito_draining", "1 while the processor drains (SIGTERM)", int(state["draining"]))
+        tokens = GaugeMetricFamily("tito_instance_active_tokens", "admitted tokens per engine", labels=["instance"])
+        requests = GaugeMetricFamily("tito_instance_active_requests", "active legs per engine", labels=["instance"])
+        breaker = GaugeMetricFamily(
+            "tito_instance_breaker_open", "1 while the breaker is not closed", labels=["instance"]
+        )
+        for address, instance in scheduler["instances"].items():
+            tokens.add_metric([address], instance["active_tokens"])
+            requests.add_metric([address], instance["active_requests"])
+            breaker.add_metric([address], int(instance["breaker"] != "closed"))
+        yield from (tokens, requests, breaker)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.render_seconds = histogram(
+            "tito_render_seconds", "tokenization: render, local_tokenizer or refused", ("source",), LATENCY_BUCKETS
+        )
+        self.schedule_seconds = histogram("tito_schedule_seconds", "scheduling decision", (), FAST_BUCKETS)
+        self.ttft_seconds = histogram(
+            "tito_time_to_first_token_seconds", "request start to the first streamed chunk", ("api",), LATENCY_BUCKETS
+        )
+        self.request_seconds = histogram(
+            "tito_request_duration_seconds", "request start to its end", ("api",), LATENCY_BUCKETS
+        )
+        self.prompt_tokens = histogram("tito_prompt_tokens", "prompt tokens per request", ("api",), TOKEN_BUCKETS)
+        self.completion_tokens = histogram(
+            "tito_completion_tokens", "completion tokens per request", ("api",), TOKEN_BUCKETS
+        )
+        self.derender_chunk = ChunkHistogram("tito_derender_chunk_seconds", "derender time per client chunk")
+        registry.register(self.derender_chunk)
+        self.requests = counter(
+            "tito_requests", "requests by API, client status and error code", ("api", "status", "code")
+        )
+        self.render_fallbacks = counter("tito_render_fallbacks", "requests tokenized locally, by cause", ("cause",))
+        self.native_replays = counter("tito_native_replays", "requests replayed on an engine's native endpoint")
+        self.engine_retries = counter(
+            "tito_engine_retries", "Envoy retries on another engine, by failed engine", ("instance",)
+        )
+        self.breaker_transitions = counter(
+            "tito_breaker_transitions", "engine breaker state changes", ("instance", "state")
+        )
+        self.admission_rejections = counter("tito_admission_rejections", "requests refused by admission", ("code",))
+        self.relays = counter("tito_relays", "engine streams replaced mid-answer (reschedule)")
+        self.cancellations = counter("tito_cancellations", "requests whose client left before the end", ("api",))
+
+    def watch(self, state: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(StateGauges(state))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
