@@ -1,5 +1,7 @@
-"""The processor's admin port: `/health`, `/debug/state` (JSON), `/metrics` (Prometheus text),
-and `POST /v1/metaserver` (Trigger callbacks from decode engines: `legs/trigger.py`).
+"""The processor's admin port: `/health` (the process lives), `/ready` (it can serve: Envoy's
+health check of the processor and Kubernetes' readiness probe), `/debug/state` (JSON),
+`/metrics` (Prometheus text, `observability/metrics.py`), and `POST /v1/metaserver` (Trigger
+callbacks from decode engines: `legs/trigger.py`).
 
 Tests and operators read the admission ledger, scheduler load, breakers and live streams
 here instead of reaching into the process. Deliberately tiny: one response per connection;
@@ -9,10 +11,12 @@ never reachable through the public listener.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ext_proc.legs.trigger import METASERVER_PATH
 from ext_proc.services import Services
@@ -33,29 +37,24 @@ def state(services: Services) -> dict[str, Any]:
         "tokenization": services.tokenization.snapshot(),
         "scheduler": services.scheduler.snapshot(),
         "event_loop_lag": services.loop_lag.snapshot(),
+        "draining": services.draining,
+        "ready": readiness(services),
     }
 
 
-def metrics(services: Services) -> str:
-    snapshot = services.scheduler.snapshot()
-    lag = services.loop_lag.snapshot()
-    lines = [
-        "# TYPE tito_event_loop_lag_p99_ms gauge",
-        f"tito_event_loop_lag_p99_ms {lag['p99_ms']}",
-        "# TYPE tito_event_loop_lag_max_ms gauge",
-        f"tito_event_loop_lag_max_ms {lag['max_ms']}",
-        "# TYPE tito_active_exchanges gauge",
-        f"tito_active_exchanges {services.active_exchanges}",
-        "# TYPE tito_admitted_tokens gauge",
-        f"tito_admitted_tokens {snapshot['total_active_tokens']}",
-        "# TYPE tito_instance_active_tokens gauge",
-    ]
-    for address, instance in snapshot["instances"].items():
-        lines.append(f'tito_instance_active_tokens{{instance="{address}"}} {instance["active_tokens"]}')
-    lines.append("# TYPE tito_instance_breaker_open gauge")
-    for address, instance in snapshot["instances"].items():
-        lines.append(f'tito_instance_breaker_open{{instance="{address}"}} {int(instance["breaker"] != "closed")}')
-    return "\n".join(lines) + "\n"
+def readiness(services: Services) -> dict[str, bool]:
+    """Each condition of `/ready`: not draining; render answers or the local tokenizer can
+    stand in (never with token obfuscation); at least one engine may be sent a request."""
+    tokenization = services.tokenization.snapshot()
+    render_up = services.config.render_config.enable and tokenization["render_breaker"] != "open"
+    fallback = services.config.model.path is not None and services.codec is None
+    now = time.monotonic()  # the planner's clock
+    return {
+        "serving": not services.draining,
+        "tokenization": render_up or fallback,
+        # an engine whose cool-down is over counts: the next request is its probe
+        "engines": any(not b.is_open(now) for b in services.scheduler.breakers.values()),
+    }
 
 
 def _respond(status: str, content_type: str, body: bytes) -> bytes:
@@ -66,7 +65,14 @@ def _respond(status: str, content_type: str, body: bytes) -> bytes:
 
 
 MAX_CALLBACK_BYTES = 64 * 1024
-_STATUS = {200: "200 OK", 400: "400 Bad Request", 404: "404 Not Found", 409: "409 Conflict", 502: "502 Bad Gateway"}
+_STATUS = {
+    200: "200 OK",
+    400: "400 Bad Request",
+    404: "404 Not Found",
+    409: "409 Conflict",
+    502: "502 Bad Gateway",
+    503: "503 Service Unavailable",
+}
 
 
 async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -88,10 +94,14 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond("405 Method Not Allowed", "text/plain", b"GET, or POST /v1/metaserver\n")
         elif path == "/health":
             response = _respond("200 OK", "text/plain", b"ok\n")
+        elif path == "/ready":
+            checks = readiness(services)
+            status = 200 if all(checks.values()) else 503
+            response = _respond(_STATUS[status], "application/json", orjson.dumps({"ready": status == 200, **checks}))
         elif path == "/debug/state":
             response = _respond("200 OK", "application/json", orjson.dumps(state(services)))
         elif path == "/metrics":
-            response = _respond("200 OK", "text/plain; version=0.0.4", metrics(services).encode())
+            response = _respond("200 OK", CONTENT_TYPE_LATEST, services.observability.metrics.exposition())
         else:
             response = _respond("404 Not Found", "text/plain", b"not found\n")
         writer.write(response)

@@ -12,9 +12,12 @@ from ext_proc.config import load_config
 
 
 def _processor(args: argparse.Namespace) -> int:
+    from ext_proc.observability.stage_log import configure_logging
     from ext_proc.server import serve
 
-    asyncio.run(serve(load_config(args.config)))
+    config = load_config(args.config)
+    configure_logging(args.log_level, config.logging.format)
+    asyncio.run(serve(config))
     return 0
 
 

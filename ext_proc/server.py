@@ -11,17 +11,20 @@ from collections.abc import AsyncIterator
 import grpc
 import httpx
 
-from ext_proc.admin import start_admin
+from ext_proc.admin import start_admin, state
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
+from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.trigger import Triggers
 from ext_proc.obfuscation import build_codec
+from ext_proc.observability.request import Observability
+from ext_proc.observability.tracing import tracer_from_environment
 from ext_proc.planning.planner import Planner
 from ext_proc.services import Services
 from protos.stubs import ext_proc_grpc, ext_proc_pb
@@ -112,7 +115,11 @@ async def build_renderer(config: TitoConfig, http: httpx.AsyncClient) -> Rendere
 
 
 def build_services(
-    config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, renderer: Renderer | None
+    config: TitoConfig,
+    http: httpx.AsyncClient,
+    streams: CountingTransport,
+    renderer: Renderer | None,
+    observability: Observability | None = None,
 ) -> Services:
     render = config.render_config
     cooldown = render.breaker_cooldown_s
@@ -125,7 +132,11 @@ def build_services(
     )
     scheduler = build_scheduler(config)
     planner = Planner(config, tokenization, scheduler)
-    return Services(
+    collector = config.tracing.collector
+    tracer = tracer_from_environment(collector.url if collector is not None else None)
+    observability = observability or Observability(tracer=tracer)
+    planner.on_breaker = observability.breaker_changed
+    services = Services(
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
@@ -137,11 +148,36 @@ def build_services(
         inflight=ByteBudget(config.inflight_bytes),
         triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
         codec=codec,
+        observability=observability,
     )
+    observability.metrics.watch(lambda: state(services))
+    return services
 
 
-async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT or cancellation; in-flight streams get a short grace."""
+async def drain(services: Services, timeout_s: float) -> None:
+    """SIGTERM: new streams get a 503 (and `/ready` says so, for Envoy's health check); open
+    ones may finish for `timeout_s`, then end with an OpenAI error event and [DONE]."""
+    services.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    log.info("draining %d open streams (up to %g s)", services.active_exchanges, timeout_s)
+    while services.active_exchanges and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    error = GatewayError(503, "the gateway is shutting down", code="draining")
+    for exchange in [e for e in services.live if not e.closed]:
+        for reply in exchange.interrupt(error):
+            exchange.outbox.put_nowait(reply)
+    while services.active_exchanges and loop.time() < deadline + 2:  # their last bytes go out
+        await asyncio.sleep(0.05)
+
+
+async def serve(
+    config: TitoConfig,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    observability: Observability | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`), then drain; cancellation stops at once."""
     limit = config.processor.grpc_max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -156,7 +192,7 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
     )
     http, streams = http_client(config)
     async with http:
-        services = build_services(config, http, streams, await build_renderer(config, http))
+        services = build_services(config, http, streams, await build_renderer(config, http), observability)
         # Everything loaded so far (vLLM, torch, tokenizers: millions of objects) lives as long
         # as the process: out of the collector's reach, a full collection no longer stalls
         # every stream for up to a second (measured by the loop-lag monitor).
@@ -171,12 +207,14 @@ async def serve(config: TitoConfig, ready: asyncio.Event | None = None) -> None:
         log.info("ext_proc listening on %s, admin on port %d", address, config.processor.admin_port)
         if ready is not None:
             ready.set()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
+            await drain(services, config.processor.drain_timeout_s)
         finally:
             lag_monitor.cancel()
             admin.close()

@@ -17,6 +17,7 @@ from ext_proc.legs.responses import Outs, error_answer, replay_native
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import TokenCodec
+from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.planning.planner import Planner, token_only_required
 from scheduler import Scheduler
@@ -33,12 +34,14 @@ class Services:
     inflight: ByteBudget
     triggers: Triggers
     codec: TokenCodec | None = None  # token obfuscation (off: None)
+    observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
     live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
     native_replays: int = 0
     relays: int = 0  # engine streams replaced mid-answer (reschedule)
     owned_queue_depth_max: int = 0  # the fullest a processor-owned stream's queue got (backpressure)
+    draining: bool = False  # SIGTERM: new streams are refused, open ones finish
 
     @property
     def scheduler(self) -> Scheduler:
@@ -53,5 +56,7 @@ class Services:
         if self.config.obfuscation.enable:  # fail closed: the native endpoint would get plaintext
             return error_answer(token_only_required(address), end)
         self.native_replays += 1
+        if (record := current()) is not None:
+            record.native_replay(address)
         timeout = self.config.listener.stream_idle_timeout_s
         return replay_native(self.http, address, plan.tokenized.request, timeout, end)

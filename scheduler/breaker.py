@@ -39,6 +39,10 @@ class CircuitBreaker:
             return not self.probe_in_flight
         return self.state is BreakerState.CLOSED
 
+    def is_open(self, now: float) -> bool:
+        """Open and still cooling down: no probe would be let through now (nothing changes)."""
+        return self.state is BreakerState.OPEN and now < self.opened_at + self.cooldown_s
+
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True

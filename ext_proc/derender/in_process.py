@@ -149,6 +149,10 @@ class _Session:
         self._include_usage = bool(usage and usage.include_usage)
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
 
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self._choices.values())
+
     def _choice(self, index: int, parser: bool) -> _Choice:
         choice = self._choices.get(index)
         if choice is None:

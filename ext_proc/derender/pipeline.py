@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Protocol
 
 import orjson
@@ -26,6 +27,7 @@ from ext_proc.derender.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
 from ext_proc.obfuscation import TokenCodec
+from ext_proc.observability.request import CHUNK_SAMPLE, current
 from ext_proc.protocol import TokenizedRequest
 
 log = logging.getLogger("tito.derender")
@@ -36,6 +38,11 @@ class StreamSession(Protocol):
 
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         """Parsed generate events (with their raw payloads) that arrived together -> SSE bytes."""
+        ...
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output ids derendered so far, every choice."""
         ...
 
 
@@ -75,6 +82,11 @@ class _InProcessStream:
         self._session = asyncio.ensure_future(asyncio.to_thread(stream_session, model, request, prompt_index))
         self._session.add_done_callback(_consume_error)
 
+    @property
+    def completion_tokens(self) -> int:
+        done = self._session.done() and not self._session.cancelled() and self._session.exception() is None
+        return self._session.result().completion_tokens if done else 0
+
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         try:
             session = await asyncio.shield(self._session)
@@ -113,10 +125,39 @@ class _SemanticStream:
         self._inner = inner
         self._codec = codec
 
+    @property
+    def completion_tokens(self) -> int:
+        return self._inner.completion_tokens
+
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         for event, _ in events:
             self._codec.semantic_event(event)
         return await self._inner.steps([(event, b"") for event, _ in events])
+
+
+class MeasuredDerender:
+    """Whole answers timed for the request's record (stream chunks are timed where they are
+    framed: `StreamDerender`, and the relay's steps)."""
+
+    def __init__(self, inner: Derenderer) -> None:
+        self._inner = inner
+
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
+        return self._inner.stream(request, prompt_index)
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+        started, record = time.perf_counter(), current()
+        try:
+            body = await self._inner.whole(request, generate_body)
+        except GatewayError as error:
+            if record is not None:
+                record.answer_failed(error.code)
+            raise
+        if record is not None:
+            record.derendered(started)
+            usage = orjson.loads(body).get("usage") or {}
+            record.completion_tokens += int(usage.get("completion_tokens") or 0)
+        return body
 
 
 def build_derenderer(config: TitoConfig, client: DerenderClient, codec: TokenCodec | None = None) -> Derenderer:
@@ -126,7 +167,7 @@ def build_derenderer(config: TitoConfig, client: DerenderClient, codec: TokenCod
     backend: Derenderer = (
         SidecarDerender(client, model) if config.derender.mode == "sidecar" else InProcessDerender(model)
     )
-    return backend if codec is None else SemanticDerender(backend, codec)
+    return MeasuredDerender(backend if codec is None else SemanticDerender(backend, codec))
 
 
 class StreamDerender:
@@ -136,6 +177,8 @@ class StreamDerender:
         self._session = session
         self._framer = SSEFramer()
         self.done = False
+        self._record = current()
+        self._chunks = 0
 
     async def feed(self, raw: bytes) -> bytes:
         return await self._events(self._framer.feed(raw))
@@ -146,6 +189,8 @@ class StreamDerender:
         if not self.done:
             self.done = True
             out += DONE_EVENT
+        if self._record is not None:
+            self._record.completion_tokens += self._session.completion_tokens
         return out
 
     async def _events(self, payloads: list[bytes]) -> bytes:
@@ -177,13 +222,21 @@ class StreamDerender:
         """Generate events (parsed, with their payloads) -> SSE bytes; a failure is an error event."""
         if not events:
             return b""
+        self._chunks += 1
+        record = self._record if self._chunks % CHUNK_SAMPLE == 1 else None
+        started = time.perf_counter() if record is not None else 0.0
         try:
-            return await self._session.steps(events)
+            out = await self._session.steps(events)
         except GatewayError as exc:
             return self._fail(exc)
+        if record is not None:
+            record.derendered(started)
+        return out
 
     def _fail(self, error: GatewayError) -> bytes:
         self.done = True
+        if self._record is not None:
+            self._record.answer_failed(error.code)
         return sse_event(error.body) + DONE_EVENT
 
 

@@ -284,11 +284,14 @@ class SidecarStream:
         self._top_logprobs = body.get("top_logprobs")
         self._completion_top = _completion_logprobs(request)
         self._logprob_context: dict[int, list[int]] = {}
+        self.completion_tokens = 0
 
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         """One sidecar call per run of waiting events of one choice (fewer calls under
         backpressure; the sidecar replays chunk by chunk with the merged sizes)."""
         out = bytearray()
+        for event, _ in events:
+            self.completion_tokens += sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ())
         if self._events is not None:
             self._events.extend(orjson.loads(orjson.dumps(e)) for e, _ in events if e.get("choices"))
         for event, payload in _coalesce(events):

@@ -27,6 +27,7 @@ def render_bootstrap(config: TitoConfig) -> str:
         engine_requests=sum(p.max_requests_per_instance * len(p.instances) for p in config.pools),
         retries=config.scheduler.max_fallbacks,
         retry_budget_percent=config.scheduler.retry_budget_percent,
+        tracing=config.tracing,
     )
 
 

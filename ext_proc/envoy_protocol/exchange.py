@@ -18,8 +18,8 @@ from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.legs.prefill import handoff
-from ext_proc.legs.responses import Refuse, ResponseHandler, StreamResponse, handler_for
+from ext_proc.legs.prefill import prefilled
+from ext_proc.legs.responses import Chunk, Refuse, ResponseHandler, StreamResponse, handler_for
 from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
 from ext_proc.protocol import ApiKind
 from ext_proc.services import Services
@@ -43,7 +43,8 @@ class Exchange(EnvoyStream):
         self._api: ApiKind | None = None
         self._held = StreamBytes(services.inflight)
         self._body = RequestBody(services.config.listener.max_request_bytes, self._held)
-        self.request_id = uuid4().hex  # ours, never a client's
+        self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
+        self.record = services.observability.begin(self.request_id)
         self._plan: Plan | None = None
         self._leases: list[str] = []
         self._handler: ResponseHandler | None = None
@@ -60,6 +61,8 @@ class Exchange(EnvoyStream):
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
         routed_lease = routed(self._plan)[0]
         self._s.triggers.forget(routed_lease or "")
+        self.record.leg_done(routed_lease or "", self._verdict.served_by, self._verdict.failed)
+        self.record.finish(cancelled=not self.record.complete)
         for lease in self._leases:
             verdict = self._verdict if lease == routed_lease else Verdict()
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
@@ -78,11 +81,14 @@ class Exchange(EnvoyStream):
         self._headers = headers = msg.header_map(message)
         limit = self._s.config.listener.max_request_bytes
         handler = self._s.config.listener.handler(headers.get(":method", ""), headers.get(":path", ""))
-        if handler is None:  # Envoy's route table answers these itself; never forward one
+        self.record.headers(handler, headers)
+        if self._s.draining:  # SIGTERM: open streams finish, new ones go elsewhere
+            yield self._refuse(GatewayError(503, "the gateway is shutting down", code="draining"))
+        elif handler is None:  # Envoy's route table answers these itself; never forward one
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
         elif handler == "health":
             self.mode = Mode.LOCAL
-            yield msg.immediate_response(200, b'{"status":"ok"}')
+            yield msg.immediate_response(200, b'{"status":"ok"}', self.record)
         elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
             yield self._refuse(refused)
         elif handler == "passthrough":
@@ -122,25 +128,22 @@ class Exchange(EnvoyStream):
         plan = await self._s.planner.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly) and plan.prefill is not None:
-            try:
-                plan = await handoff(plan, self._s.planner, self._s.http, self._s.config.listener.stream_idle_timeout_s)
-            except GatewayError as error:  # no prefill anywhere: serve it alone if anything can
-                plan = self._s.planner.without_prefill(plan, error)
-                self._leases += lease_ids(plan)
-            self._plan = plan
+            timeout = self._s.config.listener.stream_idle_timeout_s
+            self._plan = plan = await prefilled(plan, self._s.planner, self._s.http, timeout)
+            self._leases += [lease for lease in lease_ids(plan) if lease not in self._leases]
         if isinstance(plan, TokenOnly) and plan.trigger_attempt is not None:  # its engine will call back
             self._s.triggers.expect(plan, self.spawn)
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
         if isinstance(plan, Owned):
-            self._owned = OwnedAnswer(self, self._s, plan)
+            self._owned = OwnedAnswer(self, self._s, plan, self.record)
             async for reply in self._owned.replies():
                 yield reply
             self.mode = Mode.OWNED if self._owned.streaming else Mode.LOCAL
             return
-        if isinstance(plan, Local):
-            replies = self._local(plan)
+        if isinstance(plan, Local):  # after the body's end
+            self.mode, replies = Mode.LOCAL, msg.local_response(plan.status, plan.body, self.record)
         else:
-            self.mode, replies = Mode.PLANNED, msg.routed_replies(plan, self._unforwarded())
+            self.mode, replies = Mode.PLANNED, msg.routed_replies(plan, self._unforwarded(), self.record)
         for reply in replies:
             if reply.HasField("request_body") and not end_of_stream:  # trailers will end the body
                 reply.request_body.response.body_mutation.streamed_response.end_of_stream = False
@@ -149,30 +152,35 @@ class Exchange(EnvoyStream):
     def _unforwarded(self) -> tuple[str, ...]:  # request headers removed: all but the forwarded few
         return (msg.DESTINATION_KEY, *msg.unforwarded_headers(self._headers))
 
-    def _local(self, answer: Local) -> list[ext_proc_pb.ProcessingResponse]:  # after the body's end
-        self.mode = Mode.LOCAL
-        return msg.local_response(answer.status, answer.body)
-
     def _refuse(self, error: GatewayError) -> ext_proc_pb.ProcessingResponse:
         """An answer at any point before the client has response headers: no upstream is
         opened (or it is dropped), the rest is not read, held bytes are let go."""
         self.mode = Mode.LOCAL
         self._body.drop()
-        return msg.immediate_response(error.status, error.body)
+        return msg.immediate_response(error.status, error.body, self.record)
 
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
-        error = GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")
+        return self.interrupt(
+            GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")
+        )
+
+    def interrupt(self, error: GatewayError) -> list[ext_proc_pb.ProcessingResponse]:
+        """The answer ends now (a bug, the drain deadline): as an error event and [DONE] once
+        the client has headers, else as the error itself."""
+        if self._owned is not None and self._owned.streaming:
+            self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
         if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
-        if isinstance(self._handler, StreamResponse):  # the client has the headers: end its stream
+        if isinstance(self._handler, StreamResponse):
             self._handler.done = True
-            return [msg.response_body_reply(sse_event(error.body) + DONE_EVENT, True)]
+            return [msg.response_reply(Chunk(sse_event(error.body) + DONE_EVENT, True), self.record)]
         return [self._refuse(error)]
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         headers = msg.header_map(message)
         self._verdict = engine_verdict(routed(self._plan)[1], headers)
         status, content_type = int(headers.get(":status", "502")), headers.get("content-type", "")
+        self.record.answered(status)  # unless the handler answers another
         cap, derender = self._s.config.processor.max_response_bytes, self._s.derender
         replay = partial(self._s.replay_native, self._plan, self._verdict.served_by)  # no token-only generate
         self._handler = handler_for(self._plan, status, content_type, derender, self._held, cap, replay)
@@ -187,7 +195,7 @@ class Exchange(EnvoyStream):
     async def _on_response_trailers(self, _: ext_proc_pb.HttpTrailers) -> Replies:
         async for reply in self._response(lambda h: h.on_trailers()):
             yield reply
-        yield msg.response_trailers_reply()
+        yield msg.response_trailers_reply(self.record)
 
     async def _response(self, step: Any) -> Replies:
         handler = self._handler
@@ -196,4 +204,4 @@ class Exchange(EnvoyStream):
         async for out in step(handler):
             if isinstance(out, Refuse):
                 self.mode = Mode.LOCAL
-            yield msg.response_reply(out)
+            yield msg.response_reply(out, self.record)

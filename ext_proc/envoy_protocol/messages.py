@@ -1,4 +1,8 @@
-"""Builders for the ext_proc ProcessingResponse messages tito sends back to Envoy."""
+"""Builders for the ext_proc ProcessingResponse messages tito sends back to Envoy.
+
+Everything the client gets passes through the builders that take the request's `record`:
+they stamp the gateway's request id on its headers (`x-request-id`) and tell the record the
+status it got and when its response ended (metrics, traces, cancellations)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ from collections.abc import Iterable
 from google.protobuf import struct_pb2
 
 from ext_proc.envoy_protocol.verdicts import ATTEMPT_COUNT_HEADER, UPSTREAM_HOST_HEADER
+from ext_proc.errors import error_code
 from ext_proc.legs.responses import Chunk, Head, Out
+from ext_proc.observability.request import RequestRecord
 from ext_proc.planning.plan import Native, TokenOnly
 from ext_proc.planning.planner import routed_body
 from ext_proc.protocol import GENERATE_PATH
@@ -19,6 +25,7 @@ LB_NAMESPACE = "envoy.lb"
 ANSWERED_NAMESPACE = "tito"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
 RETRIES_HEADER = "x-envoy-max-retries"  # set by the processor only (a client's is removed)
+REQUEST_ID_HEADER = "x-request-id"
 JSON = "application/json"
 HIDDEN_RESPONSE_HEADERS = (
     "content-length",
@@ -120,16 +127,21 @@ def request_trailers_reply() -> ext_proc_pb.ProcessingResponse:
     return ext_proc_pb.ProcessingResponse(request_trailers=ext_proc_pb.TrailersResponse())
 
 
-def response_trailers_reply() -> ext_proc_pb.ProcessingResponse:
+def response_trailers_reply(record: RequestRecord) -> ext_proc_pb.ProcessingResponse:
+    record.chunk(True)  # trailers end the client's response
     return ext_proc_pb.ProcessingResponse(response_trailers=ext_proc_pb.TrailersResponse())
 
 
-def local_response_headers(status: int, content_type: str) -> ext_proc_pb.ProcessingResponse:
+def local_response_headers(
+    status: int, content_type: str, record: RequestRecord, code: str | int | None = None
+) -> ext_proc_pb.ProcessingResponse:
     """Start of a response the processor owns (no upstream is contacted). No content-length."""
+    record.answered(status, code)
     headers = core_pb.HeaderMap(
         headers=[
             core_pb.HeaderValue(key=":status", raw_value=str(status).encode()),
             core_pb.HeaderValue(key="content-type", raw_value=content_type.encode()),
+            core_pb.HeaderValue(key=REQUEST_ID_HEADER, raw_value=record.request_id.encode()),
         ]
     )
     return ext_proc_pb.ProcessingResponse(
@@ -139,7 +151,8 @@ def local_response_headers(status: int, content_type: str) -> ext_proc_pb.Proces
     )
 
 
-def local_response_body(body: bytes, end_of_stream: bool) -> ext_proc_pb.ProcessingResponse:
+def local_response_body(body: bytes, end_of_stream: bool, record: RequestRecord) -> ext_proc_pb.ProcessingResponse:
+    record.chunk(end_of_stream)
     return ext_proc_pb.ProcessingResponse(
         streamed_immediate_response=ext_proc_pb.StreamedImmediateResponse(
             body_response=ext_proc_pb.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
@@ -148,20 +161,25 @@ def local_response_body(body: bytes, end_of_stream: bool) -> ext_proc_pb.Process
 
 
 def local_response(
-    status: int, body: bytes, content_type: str = "application/json"
+    status: int, body: bytes, record: RequestRecord, content_type: str = "application/json"
 ) -> list[ext_proc_pb.ProcessingResponse]:
     """A whole answer from the processor, once the request body has ended."""
-    return [local_response_headers(status, content_type), local_response_body(body, True)]
+    code = error_code(body) if status >= 400 else None
+    return [local_response_headers(status, content_type, record, code), local_response_body(body, True, record)]
 
 
-def immediate_response(status: int, body: bytes) -> ext_proc_pb.ProcessingResponse:
+def immediate_response(status: int, body: bytes, record: RequestRecord) -> ext_proc_pb.ProcessingResponse:
     """An answer at any point before the response reaches the client, also while the request
     body is still arriving: Envoy sends it, opens no upstream and stops reading the request
     (a streamed immediate response there would still open the upstream: envoy-ext-proc.md §5)."""
+    record.answered(status, error_code(body) if status >= 400 else None)
+    record.chunk(True)
     response = ext_proc_pb.ProcessingResponse(
         immediate_response=ext_proc_pb.ImmediateResponse(
             status=type_pb.HttpStatus(code=status),
-            headers=_header_mutation({"content-type": JSON}, HIDDEN_RESPONSE_HEADERS),
+            headers=_header_mutation(
+                {"content-type": JSON, REQUEST_ID_HEADER: record.request_id}, HIDDEN_RESPONSE_HEADERS
+            ),
             body=body,
         )
     )
@@ -171,27 +189,35 @@ def immediate_response(status: int, body: bytes) -> ext_proc_pb.ProcessingRespon
     return response
 
 
-def response_reply(out: Out) -> ext_proc_pb.ProcessingResponse:
+def response_reply(out: Out, record: RequestRecord) -> ext_proc_pb.ProcessingResponse:
     """A response handler's output as the message Envoy expects at this point."""
     if isinstance(out, Head):
         set_headers = {":status": str(out.status)} if out.status is not None else {}
+        if out.status is not None:
+            record.answered(out.status)
         if out.content_type is not None:
             set_headers["content-type"] = out.content_type
+        set_headers[REQUEST_ID_HEADER] = record.request_id
         hidden = HIDDEN_RESPONSE_HEADERS[1:] if out.same_body else HIDDEN_RESPONSE_HEADERS
         return response_headers_reply(set_headers=set_headers, remove=hidden)
     if isinstance(out, Chunk):
+        record.chunk(out.end)
         return response_body_reply(out.data, out.end)
-    return immediate_response(out.status, out.body)
+    return immediate_response(out.status, out.body, record)
 
 
-def routed_replies(plan: Native | TokenOnly, remove: tuple[str, ...]) -> list[ext_proc_pb.ProcessingResponse]:
+def routed_replies(
+    plan: Native | TokenOnly, remove: tuple[str, ...], record: RequestRecord
+) -> list[ext_proc_pb.ProcessingResponse]:
     """The request as planned, to the engine Envoy will route it to: a native body as it is,
     or the routed leg's generate body on `/inference/v1/generate`.
 
     Envoy retries (before the first byte) only on the listed hosts: one cluster holds every
     engine of every role, and a retry past the list would land on any of them."""
     hosts = plan.hosts if isinstance(plan, Native) else plan.routed.hosts
-    set_headers = {RETRIES_HEADER: str(len(hosts) - 1)}
+    lease = plan.lease_id if isinstance(plan, Native) else plan.routed.lease_id
+    # The engine leg's trace context (tracing on), else the client's traceparent goes as it came.
+    set_headers = {RETRIES_HEADER: str(len(hosts) - 1), **record.leg(lease, hosts)}
     if isinstance(plan, TokenOnly):
         set_headers |= {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": plan.routed.lease_id}
         remove = ("content-length", *remove)

@@ -15,6 +15,7 @@ from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.errors import GatewayError
 from ext_proc.legs.fanout import FanOut
 from ext_proc.legs.relay import OwnedContext
+from ext_proc.observability.request import RequestRecord
 from ext_proc.planning.plan import Owned
 from ext_proc.services import Services
 
@@ -23,7 +24,7 @@ log = logging.getLogger("tito.fanout")
 
 
 class OwnedAnswer:
-    def __init__(self, stream: EnvoyStream, services: Services, plan: Owned) -> None:
+    def __init__(self, stream: EnvoyStream, services: Services, plan: Owned, record: RequestRecord) -> None:
         config = services.config
         context = OwnedContext(
             services.http,
@@ -35,6 +36,7 @@ class OwnedAnswer:
             services.codec,
         )
         self._stream = stream
+        self._record = record
         self._services = services
         self._plan = plan
         self.fanout = FanOut(context, plan, config.processor.owned_queue_depth, config.model.served_name)
@@ -45,18 +47,18 @@ class OwnedAnswer:
             await self.fanout.establish()
             if self._plan.tokenized.stream:
                 self.streaming = self._stream.ends_itself = True
-                yield msg.local_response_headers(200, SSE)
+                yield msg.local_response_headers(200, SSE, self._record)
                 self._stream.spawn(self._write())
                 return
             body = await self.fanout.whole()
         except GatewayError as error:
-            for reply in msg.local_response(error.status, error.body):
+            for reply in msg.local_response(error.status, error.body, self._record):
                 yield reply
             return
         finally:
             if not self.streaming:
                 await self._close()
-        for reply in msg.local_response(200, body):
+        for reply in msg.local_response(200, body, self._record):
             yield reply
 
     async def _write(self) -> None:
@@ -64,9 +66,9 @@ class OwnedAnswer:
         try:
             async with aclosing(self.fanout.stream()) as chunks:
                 async for data in chunks:
-                    await self._stream.send(msg.local_response_body(data, False))
+                    await self._stream.send(msg.local_response_body(data, False, self._record))
             complete = True
-            await self._stream.send(msg.local_response_body(b"", True))
+            await self._stream.send(msg.local_response_body(b"", True, self._record))
         except asyncio.CancelledError:
             if not complete:  # the client left (Envoy reset the call) before the end
                 open_streams = sum(prompt.streaming for prompt in self.fanout.prompts)

@@ -18,6 +18,7 @@ from typing import Any
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
 from ext_proc.obfuscation import TokenCodec
+from ext_proc.observability.request import current
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import CircuitBreaker
 
@@ -126,9 +127,9 @@ class TokenizationService:
         self.fallbacks: Counter[str] = Counter()
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
-        started = time.monotonic()
+        started = time.perf_counter()
         reason = "render_disabled" if self._render is None else "render_breaker_open"
-        if self._render is not None and self._breaker.allows(started):
+        if self._render is not None and self._breaker.allows(time.monotonic()):
             self._breaker.on_dispatch()
             try:
                 tokenized = await self._render.render(request, raw, request_id)
@@ -144,12 +145,17 @@ class TokenizationService:
                 raise
             else:
                 self._breaker.record_success()
+                if (record := current()) is not None:
+                    record.rendered(started, "render")
                 return tokenized if self.codec is None else self.codec.physical(tokenized)
         return await self._fallback(request, request_id, reason, started)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:
         self.fallbacks[reason] += 1
+        record = current()
         if self.codec is not None:  # fail closed: local ids would reach the engines unpermuted
+            if record is not None:
+                record.rendered(started, "refused", reason)
             message = f"render is unavailable ({reason}) and token obfuscation allows no fallback"
             raise GatewayError(503, message, code="render_unavailable")
         try:
@@ -159,13 +165,8 @@ class TokenizationService:
         except Exception as exc:  # noqa: BLE001 - no ids is still a servable request (native path)
             log.warning("local tokenizer failed for %s: %r", request_id, exc)
             ids = []
-        log.info(
-            "tokenized %s: fallback=local_tokenizer reason=%s prompt_tokens=%d latency_ms=%.1f",
-            request_id,
-            reason,
-            len(ids),
-            (time.monotonic() - started) * 1000,
-        )
+        if record is not None:
+            record.rendered(started, "local_tokenizer", reason)
         prefix = "chatcmpl-" if request.api is ApiKind.CHAT else "cmpl-"
         return TokenizedRequest(request, prefix + request_id, [PromptTokens(ids)], tokenizer_source="local")
 

@@ -26,6 +26,7 @@ import orjson
 from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.legs.relay import OwnedContext, PromptStream
+from ext_proc.observability.request import current
 from ext_proc.planning.plan import Owned
 
 log = logging.getLogger("tito.fanout")
@@ -83,6 +84,8 @@ class FanOut:
                 # Everything closed before the client's last bytes: once they are out, Envoy
                 # ends the call, and what is still open would be closed by a cancelled task.
                 await self.aclose()
+                if (record := current()) is not None:
+                    record.answer_failed(item.code)
                 yield sse_event(item.body) + DONE_EVENT
                 return
             else:
@@ -105,6 +108,11 @@ class FanOut:
         except Exception:  # a processor bug: the client still gets an end, never a hang
             log.exception("prompt %d of %s: producer failed", prompt.index, self._plan.tokenized.request_id)
             await self._put(GatewayError(500, "internal gateway error", code="internal_error"))
+
+    def interrupt(self, error: GatewayError) -> None:
+        """End the client's stream with `error` after what is already queued for it."""
+        task = asyncio.ensure_future(self._put(error))
+        self._producers.append(task)  # cancelled with them when the stream closes
 
     async def _put(self, item: _Item) -> None:
         await self._queue.put(item)

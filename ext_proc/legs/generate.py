@@ -27,15 +27,25 @@ class Opened:
 
 
 async def open_generate(
-    http: httpx.AsyncClient, hosts: Sequence[str], body: bytes, idle_timeout_s: float, failed: list[str]
+    http: httpx.AsyncClient,
+    hosts: Sequence[str],
+    body: bytes,
+    idle_timeout_s: float,
+    failed: list[str],
+    trace: dict[str, str] | None = None,
 ) -> Opened:
     """The leg's generate response from the first host that accepts it; `failed` collects
-    the hosts that did not (breaker input). GatewayError when none did."""
+    the hosts that did not (breaker input). GatewayError when none did. `trace`: the leg's
+    `traceparent` (tracing on)."""
     timeout = httpx.Timeout(connect=5.0, read=idle_timeout_s, write=idle_timeout_s, pool=5.0)
     error = GatewayError(503, "no engine instance to serve the request", code="no_healthy_instance")
     for host in hosts:
         request = http.build_request(
-            "POST", f"http://{host}{GENERATE_PATH}", content=body, headers={"content-type": JSON}, timeout=timeout
+            "POST",
+            f"http://{host}{GENERATE_PATH}",
+            content=body,
+            headers={"content-type": JSON, **(trace or {})},
+            timeout=timeout,
         )
         try:
             response = await http.send(request, stream=True)

@@ -17,7 +17,8 @@ import httpx
 import orjson
 
 from ext_proc.errors import GatewayError
-from ext_proc.planning.plan import TokenOnly
+from ext_proc.observability.request import current
+from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.planning.planner import Planner, prefill_body
 from ext_proc.protocol import GENERATE_PATH
 
@@ -29,20 +30,33 @@ class PrefillFailed(Exception):
     pass
 
 
+async def prefilled(plan: TokenOnly, planner: Planner, http: httpx.AsyncClient, timeout_s: float) -> Plan:
+    """The plan after its prefill leg: decode's `kv_transfer_params` filled in, or, with no
+    prefill anywhere, the request served alone if anything can."""
+    try:
+        return await handoff(plan, planner, http, timeout_s)
+    except GatewayError as error:
+        return planner.without_prefill(plan, error)
+
+
 async def handoff(plan: TokenOnly, planner: Planner, http: httpx.AsyncClient, timeout_s: float) -> TokenOnly:
     """The plan with its prefill leg done: decode's `kv_transfer_params` filled in."""
     tried: list[str] = []
+    record = current()
     for attempt in range(MAX_ATTEMPTS):
         leg = plan.prefill
         assert leg is not None
         host = leg.hosts[0]
+        trace = {} if record is None else record.leg(leg.lease_id, leg.hosts, "prefill")
         try:
-            params = await _prefill(http, host, prefill_body(plan), leg.lease_id, timeout_s)
+            params = await _prefill(http, host, prefill_body(plan), {"x-request-id": leg.lease_id, **trace}, timeout_s)
             if plan.kv_params_required and not params:
                 raise PrefillFailed("no kv_transfer_params in the answer")
         except (PrefillFailed, httpx.HTTPError) as exc:
             log.warning("prefill %s on %s failed: %r", leg.lease_id, host, exc)
             planner.finish(leg.lease_id, failed=(host,))
+            if record is not None:
+                record.leg_done(leg.lease_id, None, (host,))
             tried.append(host)
             retry = planner.next_prefill(plan, tuple(tried), attempt + 1)
             if retry is None:
@@ -54,17 +68,19 @@ async def handoff(plan: TokenOnly, planner: Planner, http: httpx.AsyncClient, ti
             raise
         # The prompt's KV is computed (and handed over): the prefill leg's tokens go back.
         planner.finish(leg.lease_id, served_by=host)
+        if record is not None:
+            record.leg_done(leg.lease_id, host)
         return TokenOnly(plan.tokenized, plan.legs, plan.kv_params_required, params)
     raise GatewayError(503, "no prefill instance could prefill the request", code="prefill_failed")
 
 
 async def _prefill(
-    http: httpx.AsyncClient, host: str, body: bytes, request_id: str, timeout_s: float
+    http: httpx.AsyncClient, host: str, body: bytes, headers: dict[str, str], timeout_s: float
 ) -> dict[str, Any] | None:
     response = await http.post(
         f"http://{host}{GENERATE_PATH}",
         content=body,
-        headers={"content-type": "application/json", "x-request-id": request_id},
+        headers={"content-type": "application/json", **headers},
         timeout=timeout_s,
     )
     if response.status_code != 200:

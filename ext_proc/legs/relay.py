@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.legs.generate import Opened, open_generate, read_whole
 from ext_proc.obfuscation import TokenCodec
+from ext_proc.observability.request import CHUNK_SAMPLE, current
 from ext_proc.planning.plan import Leg, Owned
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import PromptTokens
@@ -67,6 +69,8 @@ class PromptStream:
         self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
         self._opened: Opened | None = None
         self.attempts = 0
+        self._record = current()
+        self._chunks = 0  # derendered steps (one in CHUNK_SAMPLE is timed)
 
     @property
     def streaming(self) -> bool:
@@ -79,7 +83,10 @@ class PromptStream:
         """The current leg's engine answers 200 (GatewayError: no host did)."""
         leg = self._leg
         failed = self._open_leases.setdefault(leg.lease_id, [])
-        self._opened = await open_generate(self._ctx.http, leg.hosts, self._body(leg), self._ctx.idle_timeout_s, failed)
+        trace = {} if self._record is None else self._record.leg(leg.lease_id, leg.hosts, "owned")
+        self._opened = await open_generate(
+            self._ctx.http, leg.hosts, self._body(leg), self._ctx.idle_timeout_s, failed, trace
+        )
 
     def _body(self, leg: Leg) -> bytes:
         min_tokens = self._first.prompt.sampling_params.get("min_tokens")
@@ -105,6 +112,8 @@ class PromptStream:
             try:
                 await self._attempt(put)
                 await self._end(served=True)
+                if self._record is not None:
+                    self._record.completion_tokens += self.completion_tokens
                 return
             except EngineFailure as failure:
                 await self._relay(str(failure))
@@ -168,7 +177,12 @@ class PromptStream:
     async def _step(self, events: list[tuple[dict[str, Any], bytes]], put: Put) -> None:
         if not events:
             return
+        self._chunks += 1
+        record = self._record if self._chunks % CHUNK_SAMPLE == 1 else None
+        started = time.perf_counter() if record is not None else 0.0
         data = await self._session.steps(events)
+        if record is not None:
+            record.derendered(started)
         for event, _ in events:
             for choice in event.get("choices") or ():
                 ids = choice.get("token_ids") or []
@@ -207,15 +221,8 @@ class PromptStream:
         self._leg = self._ctx.planner.prompt_leg(
             self._plan.tokenized, f"{self._first.lease_id}-relay{self.attempts}", prompt, max_tokens=left, exclude=tried
         )
-        log.warning(
-            "relay %s: engine %s failed (%s); %d committed ids, %d tokens left, now on %s",
-            self._plan.tokenized.request_id,
-            failed_host,
-            why,
-            len(self.committed),
-            left,
-            self._leg.hosts[0],
-        )
+        if self._record is not None:
+            self._record.relayed(self._leg.lease_id, failed_host, self._leg.hosts[0], len(self.committed), why)
         await self.open()
 
     def _refusal(self) -> str | None:
@@ -242,6 +249,9 @@ class PromptStream:
         if failed is not None:
             served_by = opened.host if served and opened is not None else None
             self._ctx.planner.finish(self._leg.lease_id, tuple(failed), served_by)
+            if self._record is not None:  # retries are the failures before the 200 (not a relay's)
+                retried = failed if served else failed[:-1]
+                self._record.leg_done(self._leg.lease_id, served_by, tuple(retried))
 
     async def aclose(self) -> None:
         """Cancelled or failed: the stream closed, every lease back (no verdict)."""

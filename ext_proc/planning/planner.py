@@ -23,6 +23,7 @@ from ext_proc.frontend.openai_api import native_body, parse_request
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.model_files import vocab_size
+from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
@@ -41,6 +42,7 @@ class Planner:
         self._tokenization = tokenization
         self.scheduler = scheduler
         self._clock = clock
+        self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
         decode = config.pool("decode")
         self._kv_params_required = decode is not None and decode.kv_connector == "nixl"
         # Trigger callbacks reach the processor's admin port, never the public listener.
@@ -61,9 +63,18 @@ class Planner:
             model = self._config.model
             request = parse_request(api, content_type, raw, model, vocab_size(model.path))
             tokenized = await self._tokenization.tokenize(request, raw, request_id)
-            return self.place(tokenized, raw)
         except GatewayError as error:
             return Local(error.status, error.body)
+        record, started = current(), time.perf_counter()
+        try:
+            plan = self.place(tokenized, raw)
+        except GatewayError as error:
+            if record is not None and error.code in ("token_budget_exceeded", "no_healthy_instance"):
+                record.rejected(str(error.code))
+            return Local(error.status, error.body)
+        if record is not None:
+            record.scheduled(started, tokenized.prompt_tokens)
+        return plan
 
     def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
@@ -233,8 +244,14 @@ class Planner:
         return TokenOnly(plan.tokenized, (leg,))
 
     def finish(self, lease_id: str, failed: tuple[str, ...] = (), served_by: str | None = None) -> None:
-        """A leg is over: its tokens go back, its engine's verdict to the breakers."""
+        """A leg is over: its tokens go back, its engine's verdict to the breakers (whose
+        state changes are reported)."""
+        breakers = self.scheduler.breakers
+        before = {a: breakers[a].state for a in (*failed, served_by) if a in breakers}
         self.scheduler.finish(lease_id, self._clock(), failed, served_by)
+        for address, was in before.items():
+            if breakers[address].state is not was and self.on_breaker is not None:
+                self.on_breaker(address, breakers[address].state.value)
 
 
 def routed_body(plan: TokenOnly) -> bytes:

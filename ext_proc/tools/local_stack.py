@@ -143,6 +143,9 @@ class LocalStack:
     def start_gateway(self) -> None:
         """Processor and Envoy: ready in about a second."""
         self._add("processor", [sys.executable, "-m", "ext_proc.cli", "processor"], self._config_env())
+        self.start_envoy()
+
+    def start_envoy(self) -> None:
         bootstrap = write_bootstrap(self.config, self.work_dir / "envoy.yaml")
         envoy = [str(envoy_binary()), "-c", str(bootstrap), "--log-level", "warn", "--disable-hot-restart"]
         self._add("envoy", envoy)

@@ -57,6 +57,8 @@ class FakeTokenization:
 
 
 class FakeSession:
+    completion_tokens = 0
+
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
         return b"".join(b"data: " + orjson.dumps({"ids": e["choices"][0]["token_ids"]}) + b"\n\n" for e, _ in events)
 
