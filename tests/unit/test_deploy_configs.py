@@ -1,19 +1,30 @@
-"""The Envoy bootstrap and docker-compose file are validated by the real tools."""
+"""The Envoy bootstrap, docker-compose file and deploy/ manifests are validated by the real
+tools (Envoy, docker-compose, Kubernetes' schemas) and checked against the gateway config."""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pytest
 import yaml
 
-from ext_proc.config import load_config
+from ext_proc.config import TitoConfig, load_config
 from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
 from ext_proc.tools.tiny_model import FORMAT_VERSION
 from tests.conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUBERNETES_VERSION = "1.30.0"  # the oldest cluster the manifests are meant for
+# Istio's CRDs: not in kubernetes-validate's schemas, checked field by field below.
+ISTIO_KINDS = {"EnvoyFilter", "Gateway", "VirtualService"}
 
 
 def _validate(envoy_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
@@ -72,12 +83,20 @@ def test_bootstrap_has_the_measured_settings() -> None:
     ]
 
 
-def test_docker_compose_file_is_valid() -> None:
+def _docker_compose() -> str:
     compose = shutil.which("docker-compose")
     if compose is None:
         missing("docker-compose (Debian package docker-compose)")
+        raise AssertionError("missing() skips or fails")
+    return compose
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "tracing"]], ids=["default", "tracing"])
+def test_docker_compose_file_is_valid(profile: list[str]) -> None:
     result = subprocess.run(
-        [compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True, text=True
+        [_docker_compose(), "-f", str(ROOT / "docker-compose.yml"), *profile, "config", "-q"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -96,3 +115,290 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
     assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
     for name in ("render", "engine"):
         assert f"--model={config.model.path}" in services[name]["command"]
+
+
+def test_tracing_is_opt_in_and_reaches_the_tracing_profile() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert {name for name, s in services.items() if "profiles" in s} == {"jaeger"}
+    assert services["jaeger"]["profiles"] == ["tracing"]
+    # unset (tracing off) unless the caller sets it: deploy/README.md's command
+    endpoint = f"http://{services['jaeger']['networks']['tito']['ipv4_address']}:4317"
+    result = subprocess.run(
+        [_docker_compose(), "-f", str(ROOT / "docker-compose.yml"), "--profile", "tracing", "config"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    resolved = yaml.safe_load(result.stdout)["services"]["processor"]["environment"]
+    assert resolved == {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "tito-processor"}
+    assert services["processor"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+
+
+def test_prometheus_scrapes_the_compose_admin_ports() -> None:
+    config = load_config(ROOT / "tito.compose.yaml", env={})
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+
+    def targets(job: str) -> list[str]:
+        return [target for static in jobs[job]["static_configs"] for target in static["targets"]]
+
+    assert targets("tito-processor") == [f"processor:{config.processor.admin_port}"]
+    assert jobs["tito-processor"].get("metrics_path", "/metrics") == "/metrics"
+    assert targets("envoy") == [f"envoy:{config.listener.admin_port}"]
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    admin = yaml.safe_load(render_bootstrap(config))["admin"]["address"]["socket_address"]
+    assert admin["address"] == "0.0.0.0"  # Envoy's admin reachable from the Prometheus container
+    assert {target.split(":")[0] for job in jobs for target in targets(job)} <= set(services)
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+
+
+# deploy/kubernetes and deploy/istio
+
+
+def _documents(folder: Path) -> list[dict[str, Any]]:
+    """The objects of a folder's manifests (its kustomization.yaml is kustomize's, not the cluster's)."""
+    documents: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            documents += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return documents
+
+
+def _all_documents() -> list[dict[str, Any]]:
+    return _documents(DEPLOY / "kubernetes") + _documents(DEPLOY / "istio")
+
+
+def _object(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in _all_documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
+    return found[0]
+
+
+def _container(deployment: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
+    pod = deployment["spec"]["template"]["spec"]
+    return next(c for c in pod["initContainers" if init else "containers"] if c["name"] == name)
+
+
+def _port(container: dict[str, Any], ref: int | str) -> int:
+    """A probe's port: a number, or the name of one of the container's ports."""
+    if isinstance(ref, int):
+        return ref
+    return int(next(p["containerPort"] for p in container["ports"] if p["name"] == ref))
+
+
+def _backend_port(service: dict[str, Any]) -> int:
+    """The container port a one-port Service reaches, through its selector and targetPort."""
+    selector = service["spec"]["selector"].items()
+    (deployment,) = [
+        d
+        for d in _all_documents()
+        if d["kind"] == "Deployment" and selector <= d["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    (port,) = service["spec"]["ports"]
+    target = port["targetPort"]
+    (backend,) = [
+        p["containerPort"]
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+        if target in (p["name"], p["containerPort"])
+    ]
+    return int(backend)
+
+
+def _cluster_config(tmp_path: Path) -> TitoConfig:
+    path = tmp_path / "tito.yaml"
+    path.write_text(_object("ConfigMap", "tito-config")["data"]["tito.yaml"])
+    return load_config(path, env={})
+
+
+def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters: list[dict[str, Any]] = hcm["http_filters"]
+    return filters
+
+
+def _mesh_patch() -> dict[str, Any]:
+    (patch,) = _object("EnvoyFilter", "tito-ext-proc")["spec"]["configPatches"]
+    return dict(patch)
+
+
+def _kubernetes_validate() -> ModuleType:
+    try:
+        return importlib.import_module("kubernetes_validate")
+    except ImportError:
+        missing("kubernetes-validate (the test extra: pip install -e '.[test]')")
+        raise
+
+
+def test_manifests_pass_the_kubernetes_schemas() -> None:
+    kubernetes_validate = _kubernetes_validate()
+    kinds = set()
+    for document in _all_documents():
+        if document["kind"] in ISTIO_KINDS:
+            continue
+        name = f"{document['kind']}/{document['metadata']['name']}"
+        try:
+            # strict: an unknown or misplaced field is an error, not silently dropped by the API server
+            kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{name}: {'.'.join(map(str, error.path))}: {error.message}")
+        kinds.add(document["kind"])
+    assert kinds == {"Namespace", "ConfigMap", "Deployment", "Service"}
+
+
+@pytest.mark.parametrize(("folder", "bases"), [("kubernetes", []), ("istio", ["../kubernetes"])])
+def test_kustomization_lists_every_manifest(folder: str, bases: list[str]) -> None:
+    kustomization = yaml.safe_load((DEPLOY / folder / "kustomization.yaml").read_text())
+    manifests = [p.name for p in (DEPLOY / folder).glob("*.yaml") if p.name != "kustomization.yaml"]
+    assert sorted(kustomization["resources"]) == sorted(bases + manifests)
+
+
+def test_cluster_config_loads_and_its_bootstrap_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
+    config = _cluster_config(tmp_path)
+    # one pod: Envoy, processor and render meet on loopback; the kubelet probes the pod's IP
+    assert (config.processor.host, config.render_config.endpoint.host) == ("127.0.0.1", "127.0.0.1")
+    assert config.processor.listen_host == config.listener.host == "0.0.0.0"
+    result = _validate(envoy_bin, write_bootstrap(config, tmp_path / "envoy.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gateway_pod_is_wired_as_its_config_says(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    gateway = _object("Deployment", "tito-gateway")
+    envoy, processor, render = (_container(gateway, name) for name in ("envoy", "processor", "render"))
+    envoy_config = _container(gateway, "envoy-config", init=True)
+    # the bootstrap the initContainer writes from the mounted config is the one Envoy loads
+    assert envoy_config["args"][:3] == ["--config", "/etc/tito/tito.yaml", "envoy-config"]
+    assert envoy["command"][-2:] == ["-c", envoy_config["args"][envoy_config["args"].index("--out") + 1]]
+    assert processor["args"] == ["--config", "/etc/tito/tito.yaml", "processor"]
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    for container in (envoy_config, processor):
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/etc/tito"]
+        assert volumes[mount["name"]]["configMap"]["name"] == "tito-config"
+    assert _port(processor, "grpc") == config.processor.port
+    assert f"--port={config.render_config.endpoint.port}" in render["args"]
+    assert _backend_port(_object("Service", "tito-gateway")) == config.listener.port
+    assert _backend_port(_object("Service", "tito-metrics")) == config.processor.admin_port
+
+
+def test_processor_probes_use_the_admin_routes(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    processor = _container(_object("Deployment", "tito-gateway"), "processor")
+    probes = {kind: processor[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    # /ready drops the pod from the Service while draining; /health restarts only a dead process
+    assert {kind: probe["path"] for kind, probe in probes.items()} == {
+        "startupProbe": "/health",
+        "livenessProbe": "/health",
+        "readinessProbe": "/ready",
+    }
+    assert {_port(processor, probe["port"]) for probe in probes.values()} == {config.processor.admin_port}
+
+
+def test_gateway_pod_outlives_the_processor_drain(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    drain = config.processor.drain_timeout_s
+    gateway = _object("Deployment", "tito-gateway")
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    wait = _container(gateway, "envoy")["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[0] == "sleep"
+    # Envoy carries the streams the processor finishes; the kubelet kills neither before
+    assert drain < int(wait[1]) < grace
+    # in the mesh the pod's sidecar carries the ingress gateway's ext_proc streams as well
+    patches = [
+        yaml.safe_load(p["patch"])
+        for p in yaml.safe_load((DEPLOY / "istio" / "kustomization.yaml").read_text())["patches"]
+    ]
+    (deployment,) = [p for p in patches if p["kind"] == "Deployment"]
+    assert deployment["metadata"]["name"] == "tito-gateway"
+    proxy = yaml.safe_load(deployment["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
+    assert drain < int(proxy["terminationDrainDuration"].removesuffix("s")) < grace
+
+
+def test_engines_are_the_engine_service(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    service = _object("Service", "vllm-engine")
+    (port,) = service["spec"]["ports"]
+    # Envoy's STATIC engine cluster takes addresses: the Service's pinned clusterIP
+    assert [(i.host, i.port) for p in config.pools for i in p.instances] == [
+        (service["spec"]["clusterIP"], port["port"])
+    ]
+    engines = _object("Deployment", "vllm-engine")
+    engine = _container(engines, "engine")
+    assert f"--port={_backend_port(service)}" in engine["args"]
+    assert "--enable-scale-out" in engine["args"]
+    render = _container(_object("Deployment", "tito-gateway"), "render")
+    model_flags = [
+        f"--model={config.model.path}",
+        f"--served-model-name={config.model.served_name}",
+        f"--max-model-len={config.model.max_model_len}",
+    ]
+    assert set(model_flags) <= set(engine["args"]) and set(model_flags) <= set(render["args"])
+    # both pods generate the model everything loads
+    assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
+    for deployment in (engines, _object("Deployment", "tito-gateway")):
+        assert _container(deployment, "model", init=True)["args"] == ["tiny-model", "--cache-dir", "/models"]
+
+
+def test_mesh_filter_is_the_rendered_ext_proc_filter(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    patch = _mesh_patch()
+    assert patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert patch["match"]["context"] == "GATEWAY"
+    assert patch["match"]["listener"]["filterChain"]["filter"] == {
+        "name": "envoy.filters.network.http_connection_manager",
+        "subFilter": {"name": "envoy.filters.http.router"},
+    }
+    mesh = copy.deepcopy(patch["patch"]["value"])
+    service = _object("Service", "tito-processor")
+    (port,) = service["spec"]["ports"]
+    # Istio's outbound cluster of the processor Service, which must speak gRPC to the processor
+    cluster = (
+        f"outbound|{port['port']}||{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    )
+    assert mesh["typed_config"]["grpc_service"]["envoy_grpc"].pop("cluster_name") == cluster
+    assert port["appProtocol"] == "grpc" and _backend_port(service) == config.processor.port
+    (rendered,) = [f for f in _http_filters(yaml.safe_load(render_bootstrap(config))) if f["name"] == mesh["name"]]
+    del rendered["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    assert mesh == rendered
+
+
+def test_bootstrap_with_the_mesh_filter_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
+    bootstrap = yaml.safe_load(render_bootstrap(_cluster_config(tmp_path)))
+    mesh = copy.deepcopy(_mesh_patch()["patch"]["value"])
+    # Istio's outbound cluster does not exist outside the mesh: the bootstrap's processor cluster
+    mesh["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "ext_proc"
+    assert "ext_proc" in {c["name"] for c in bootstrap["static_resources"]["clusters"]}
+    filters = _http_filters(bootstrap)
+    (index,) = [i for i, f in enumerate(filters) if f["name"] == mesh["name"]]
+    filters[index] = mesh
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    result = _validate(envoy_bin, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    envoy_filter = _object("EnvoyFilter", "tito-ext-proc")
+    gateway, routes = _object("Gateway", "tito"), _object("VirtualService", "tito")
+    assert envoy_filter["apiVersion"] == "networking.istio.io/v1alpha3"
+    assert gateway["apiVersion"] == routes["apiVersion"] == "networking.istio.io/v1"
+    # the filter is patched into the ingress gateway the Gateway binds (a workloadSelector
+    # applies in the EnvoyFilter's own namespace: the ingress gateway's)
+    assert envoy_filter["spec"]["workloadSelector"]["labels"] == gateway["spec"]["selector"]
+    assert envoy_filter["metadata"]["namespace"] == "istio-system"
+    (server,) = gateway["spec"]["servers"]
+    assert server["port"]["protocol"] == "HTTP" and server["hosts"]
+    assert routes["spec"]["gateways"] == [gateway["metadata"]["name"]]
+    (route,) = routes["spec"]["http"]
+    rendered = [r.path for r in config.listener.routes if r.handler in ("chat", "completions")]
+    assert sorted(m["uri"]["exact"] for m in route["match"]) == sorted(rendered)
+    engine = _object("Service", "vllm-engine")
+    (port,) = engine["spec"]["ports"]
+    (destination,) = route["route"]
+    assert destination["destination"] == {
+        "host": f"{engine['metadata']['name']}.{engine['metadata']['namespace']}.svc.cluster.local",
+        "port": {"number": port["port"]},
+    }
