@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.config import Endpoint, ListenerConfig, ProcessorConfig, RenderConfig, TitoConfig
 from ext_proc.tools.local_stack import LocalStack
@@ -187,6 +189,23 @@ class SimGateway:
         state: dict[str, Any] = httpx.get(url, timeout=5, trust_env=False).json()
         return state
 
+    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """The processor's /metrics, parsed by prometheus_client: (sample, labels) -> value."""
+        return scrape(f"http://127.0.0.1:{self.config.processor.admin_port}/metrics")
+
+    def stages(self, request_id: str, timeout: float = 5, until: str | None = None) -> list[dict[str, Any]]:
+        """The processor's stage log lines (logging.format json) for one request, in order;
+        waits up to `timeout` for the stage `until` (lines of a request that just ended may
+        still be on their way to the log file)."""
+        log = self.gateway.processes["processor"].log_path
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [orjson.loads(line) for line in log.read_bytes().splitlines() if line.startswith(b"{")]
+            found = [line for line in lines if line.get("request_id") == request_id and "stage" in line]
+            if until is None or any(f["stage"] == until for f in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
     def reset(self) -> None:
         for sim in self.sims:
             sim.received.clear()
@@ -218,6 +237,22 @@ class SimGateway:
             if time.monotonic() > deadline:
                 raise AssertionError(f"leaked after the requests ended: {leaks} {state.get('exchanges')}")
             time.sleep(0.05)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A Prometheus endpoint, parsed by prometheus_client's own text parser."""
+    text = httpx.get(url, timeout=5, trust_env=False).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(value for (sample, have), value in samples.items() if sample == name and wanted <= have)
 
 
 def start_gateway(

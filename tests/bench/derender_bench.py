@@ -9,19 +9,30 @@ the output) and the chunks/s one process reaches on this stage alone.
 With token obfuscation on, the same stream in physical ids, deobfuscated event by event
 first: the chunks/s of both, interleaved, and their ratio.
 
+Observability: the same stream through the processor's derender pipeline (asyncio, as a
+stream runs it), with the request's record (metrics, a traced request: in-memory exporter)
+and without, interleaved: chunks/s of both and their ratio.
+
     python -m tests.bench.derender_bench [--tokens 2000] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 from pathlib import Path
 
+import orjson
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from ext_proc.config import ModelConfig
 from ext_proc.derender.in_process import ChatStream, DerenderModel
+from ext_proc.derender.pipeline import InProcessDerender, StreamDerender
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, added_token_ids, vocab_size_of
+from ext_proc.observability.request import Observability
+from ext_proc.observability.tracing import tracer_with
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.tools.tiny_model import ensure_tiny_model
 
@@ -102,6 +113,39 @@ def run(model: DerenderModel, n_tokens: int, codec: TokenCodec | None = None) ->
     }
 
 
+def run_pipeline(model: DerenderModel, n_tokens: int, observed: bool) -> float:
+    """Chunks/s of a generate SSE stream through `StreamDerender` (framing, parsing, the
+    session), as the processor runs an Envoy-routed stream, with or without a traced
+    request's record."""
+    return asyncio.run(_pipeline(model, n_tokens, observed))
+
+
+async def _pipeline(model: DerenderModel, n_tokens: int, observed: bool) -> float:
+    ids = answer_ids(model, n_tokens)
+    raw = [
+        b"data: "
+        + orjson.dumps({"choices": [{"index": 0, "token_ids": [t], "finish_reason": "stop" if last else None}]})
+        + b"\n\n"
+        for t, last in zip(ids, [False] * (len(ids) - 1) + [True], strict=True)
+    ] + [b"data: [DONE]\n\n"]
+    record = None
+    if observed:
+        observability = Observability(tracer=tracer_with(InMemorySpanExporter()))
+        record = observability.begin("bench")
+        record.headers("chat", {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    stream = StreamDerender(InProcessDerender(model).stream(request(model)))
+    await stream.feed(raw[0])  # builds the session
+    start = time.perf_counter()
+    for piece in raw[1:]:
+        await stream.feed(piece)
+    await stream.finish()
+    if record is not None:  # its metrics and spans are written at the end: timed too
+        record.answered(200, end=True)
+        record.finish()
+    elapsed = time.perf_counter() - start
+    return (len(raw) - 1) / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
@@ -126,6 +170,18 @@ def main() -> None:
     same = all(x["tool_call_parsed"] for x in obfuscated)
     print(f"  token obfuscation: {on:.0f} chunks/s on vs {off:.0f} off (median of {args.rounds}): x{on / off:.3f}")
     print(f"    (deobfuscation per event included; output with obfuscation {'parsed' if same else 'BROKEN'})")
+    bare, observed, ratios = [], [], []
+    for round_ in range(args.rounds * 2):  # pairs in alternating order: drift cancels out
+        first, second = (False, True) if round_ % 2 == 0 else (True, False)
+        runs = {first: run_pipeline(model, args.tokens, first), second: run_pipeline(model, args.tokens, second)}
+        bare.append(runs[False])
+        observed.append(runs[True])
+        ratios.append(runs[True] / runs[False])
+    off, on = statistics.median(bare), statistics.median(observed)
+    print(
+        f"  metrics + tracing: {on:.0f} chunks/s on vs {off:.0f} off (StreamDerender, {len(ratios)} runs each): "
+        f"x{statistics.median(ratios):.3f} (median of the pairs' ratios)"
+    )
 
 
 if __name__ == "__main__":

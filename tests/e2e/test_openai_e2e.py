@@ -12,7 +12,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from tests.conftest import RunningStack
+from tests.conftest import RunningStack, metric, scrape
 
 CJK_EMOJI = "用中文讲个故事 🐉🚀，然后说 こんにちは 👋🏽"
 ENGLISH = "Tell me a story about a brave little robot."
@@ -132,3 +132,22 @@ def test_unknown_model_and_models_listing(stack: RunningStack) -> None:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert error.value.status_code == 404
     assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_the_processor_metrics_after_real_requests(stack: RunningStack) -> None:
+    """Prometheus' own parser reads `/metrics`; after real requests the latency histograms
+    and the request counters by status have counts, and every answer carries its id."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": ENGLISH}], "max_tokens": 8}
+    url = stack.base_url + "/v1/chat/completions"
+    answers = [
+        httpx.post(url, json={**body, "stream": stream}, timeout=60, trust_env=False) for stream in (False, True)
+    ]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert len({a.headers["x-request-id"] for a in answers}) == 2
+    samples = scrape(f"http://127.0.0.1:{stack.config.processor.admin_port}/metrics")
+    assert metric(samples, "tito_time_to_first_token_seconds_count", api="chat") >= 2
+    assert metric(samples, "tito_render_seconds_count", source="render") >= 2
+    assert metric(samples, "tito_derender_chunk_seconds_count") >= 2
+    assert metric(samples, "tito_derender_chunk_seconds_sum") > 0
+    assert metric(samples, "tito_requests_total", api="chat", status="200") >= 2
+    assert metric(samples, "tito_completion_tokens_sum", api="chat") >= 2

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, free_port, start_sim_gateway
+from tests.conftest import RunningStack, SimGateway, free_port, metric, start_sim_gateway
 from tests.engine_sim import NATIVE_TEXT, Fault, SimServer
 from tests.render_proxy import RenderFault, RenderProxy, RenderProxyServer
 
@@ -35,6 +35,7 @@ class FaultBench:
             self.proxy_server.start()
         else:
             self.proxy_server.port = free_port()  # nothing listens there yet
+        sections.setdefault("logging", {"format": "json"})  # stage lines the tests read back
         self.gateway, self.servers = start_sim_gateway(
             self.stack, self.tmp, n_engines, render_port=self.proxy_server.port, **sections
         )
@@ -93,6 +94,20 @@ def test_render_down_at_start_up_falls_back_to_the_local_tokenizer(bench: FaultB
     assert response.json()["choices"][0]["message"]["content"] == NATIVE_TEXT
     streamed = bench.post({**long_chat, "stream": True})
     assert streamed.status_code == 200 and _sse_events(streamed.text)[-1] == "[DONE]"
+    # Each fallback is a stage line with its cause, under the id the client got, and a count.
+    causes = [
+        [
+            (s["stage"], s.get("cause"))
+            for s in gateway.stages(r.headers["x-request-id"])
+            if s["stage"].startswith("render")
+        ]
+        for r in (response, streamed)
+    ]
+    assert causes == [[("render.local_tokenizer", "unavailable")], [("render.local_tokenizer", "render_breaker_open")]]
+    samples = gateway.metrics()
+    assert metric(samples, "tito_render_fallbacks_total", cause="unavailable") == 1
+    assert metric(samples, "tito_render_fallbacks_total", cause="render_breaker_open") == 1
+    assert metric(samples, "tito_render_seconds_count", source="local_tokenizer") == 2
 
     state = gateway.assert_no_leaks()
     assert state["tokenization"]["local_tokenizer_loaded"] is True
@@ -173,6 +188,9 @@ def test_engine_without_token_only_generate_is_served_natively_once(bench: Fault
     else:
         assert response.json()["choices"][0]["message"]["content"] == NATIVE_TEXT
     assert len(_generate_calls(gateway)) == 1 and len(_native_calls(gateway)) == 1
+    stages = gateway.stages(response.headers["x-request-id"], until="native_replay")
+    assert [s["stage"] for s in stages] == ["generate", "native_replay"]
+    assert metric(gateway.metrics(), "tito_native_replays_total") == 1
     # Remembered: the next request goes native directly.
     assert bench.post(CHAT).status_code == 200
     assert len(_generate_calls(gateway)) == 1 and len(_native_calls(gateway)) == 2
@@ -187,10 +205,25 @@ def test_engine_without_token_only_generate_is_served_natively_once(bench: Fault
 def test_engine_503_before_first_byte_is_retried_elsewhere(bench: FaultBench) -> None:
     gateway = bench.start(n_engines=2, scheduler={"policy": "round_robin"})
     gateway.sims[0].fault = Fault("status", status=503)
-    for _ in range(2):
-        assert bench.post(CHAT).json()["object"] == "chat.completion"
+    before = metric(gateway.metrics(), "tito_engine_retries_total", instance=gateway.sims[0].address)
+    responses = [bench.post(CHAT) for _ in range(2)]
+    assert [r.json()["object"] for r in responses] == ["chat.completion"] * 2
     state = gateway.assert_no_leaks()
-    assert state["scheduler"]["instances"][gateway.sims[0].address]["consecutive_failures"] == 1
+    failed = gateway.sims[0].address
+    assert state["scheduler"]["instances"][failed]["consecutive_failures"] == 1
+    assert metric(gateway.metrics(), "tito_engine_retries_total", instance=failed) == before + 1
+    # The retried request's stage lines: its generate leg, then the retry to the other engine.
+    retried = [
+        [
+            (s["stage"], s.get("failed"), s.get("served_by"))
+            for s in gateway.stages(r.headers["x-request-id"], until="retry")
+        ]
+        for r in responses
+    ]
+    assert sorted(retried, key=len) == [
+        [("generate", None, None)],
+        [("generate", None, None), ("retry", failed, gateway.sims[1].address)],
+    ]
 
 
 def test_inband_engine_error_becomes_an_openai_error_event(bench: FaultBench) -> None:
@@ -202,6 +235,8 @@ def test_inband_engine_error_becomes_an_openai_error_event(bench: FaultBench) ->
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     error = orjson.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "engine" in error["message"]
+    stages = gateway.stages(response.headers["x-request-id"], until="stream.failure")
+    assert [(s["stage"], s.get("code")) for s in stages][-1] == ("stream.failure", str(error["code"]))
     chunks = [orjson.loads(e) for e in events[:-2]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     # the role chunk, then the two tokens before the error (one chunk or two: text that
@@ -248,7 +283,11 @@ def test_client_leaving_a_stalled_stream_leaks_nothing(bench: FaultBench) -> Non
             seen += chunk
             if seen.count(b"chat.completion.chunk") == 2:
                 break  # the engine stalls; the client gives up and disconnects
+        request_id = response.headers["x-request-id"]
     gateway.assert_no_leaks()
+    [cancelled] = [s for s in gateway.stages(request_id, until="cancelled") if s["stage"] == "cancelled"]
+    assert cancelled["status"] == 200 and cancelled["level"] == "info"
+    assert metric(gateway.metrics(), "tito_cancellations_total", api="chat") == 1
 
 
 # -- Derender ------------------------------------------------------------------------------------
@@ -296,6 +335,8 @@ def test_derender_failures_map_to_response_errors_without_reinference(
         assert response.status_code == status
         error = response.json()["error"]
     assert error["code"] == code and error["message"]
+    stages = gateway.stages(response.headers["x-request-id"], until="derender.failure")
+    assert ("derender.failure", code) in [(s["stage"], s.get("code")) for s in stages]
     if fault.kind == "status" and fault.status == 422:
         assert "bad state" in error["message"]  # the detail is kept
     assert len(_generate_calls(gateway)) == 1  # never re-run

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, running_sim_gateway
+from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway
 from tests.engine_sim import Fault
 
 QUEUE_DEPTH = 4
@@ -31,6 +31,7 @@ def owned(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iter
         admission={"global_token_budget": BUDGET},
         scheduler={"policy": "round_robin", "breaker": {"failure_threshold": 1000}},
         reschedule={"enable": True, "first_token_timeout_s": 2.0, "inter_token_timeout_s": 1.0},
+        logging={"format": "json"},
     ) as gateway:
         yield gateway
 
@@ -157,13 +158,24 @@ def test_relay_continues_on_another_engine_from_the_committed_ids(gw: SimGateway
     for sim in gw.sims:
         sim.fault = fault
     body = {"model": "tiny", "prompt": "relay me", "max_tokens": 20, "stream": True, "return_token_ids": True}
-    events = _events(httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30).content)
+    relays = metric(gw.metrics(), "tito_relays_total")
+    response = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
+    events = _events(response.content)
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert not any("error" in e for e in events[:-1])
     calls = _generate_calls(gw)
     assert len(calls) == 2
     (first_host, first), (second_host, second) = sorted(calls, key=lambda call: len(call[1]["token_ids"]))
     assert first_host != second_host
+    # The relay is one stage line (which engine failed, where it went on, after how many ids)
+    # between the two generate legs, and one more on the counter.
+    stages = gw.stages(response.headers["x-request-id"], until="relay")
+    assert [(s["stage"], s.get("failed"), s.get("to"), s.get("committed_tokens")) for s in stages] == [
+        ("generate", None, None, None),
+        ("relay", first_host, second_host, 7),
+        ("generate", None, None, None),
+    ]
+    assert metric(gw.metrics(), "tito_relays_total") == relays + 1
     prompt, committed = second["token_ids"][: len(first["token_ids"])], second["token_ids"][len(first["token_ids"]) :]
     assert prompt == first["token_ids"] and committed == gw.sims[0].script(first["token_ids"], 20)[:7]
     assert second["sampling_params"]["max_tokens"] == 20 - 7
