@@ -7,10 +7,11 @@ COPY scheduler scheduler
 COPY render_sidecar render_sidecar
 COPY protos protos
 COPY envoy envoy
-# Editable: the Envoy template and the generated stubs stay next to the code. The engine
+# Editable: the Envoy template and the generated stubs stay next to the code. The processor
 # extra brings vLLM (CPU build: the processor only needs its tokenizer, detokenizer and
-# parsers for in-process derender, at the render sidecar's version).
-RUN pip install --no-cache-dir -e '.[engine]' && (pip uninstall -y torchvision torchaudio torchcodec || true)
+# parsers, at the render sidecar's version), transformers (the fallback tokenizer) and torch
+# (the compose `model` job, `tito tiny-model`). tests/packaging runs these lines in a venv.
+RUN pip install --no-cache-dir -e '.[processor]' && (pip uninstall -y torchvision torchaudio torchcodec || true)
 RUN python -m protos.build
 ENV HF_HUB_OFFLINE=1
 ENTRYPOINT ["tito"]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ext_proc.config import load_config
+from ext_proc.extras import MissingExtra
 
 
 def _processor(args: argparse.Namespace) -> int:
@@ -84,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except MissingExtra as missing:  # a lean install asked for a part it has not got
+        print(f"tito: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import orjson
 from ext_proc.config import ModelConfig
 from ext_proc.derender.logprobs import LogprobDecoder, chat_logprobs, completion_logprobs
 from ext_proc.derender.streaming import sse_event
+from ext_proc.extras import PROCESSOR, require
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
 
 log = logging.getLogger("tito.derender")
@@ -34,6 +35,7 @@ class DerenderModel:
     Loading imports vLLM (and torch): seconds, so it happens once at start-up."""
 
     def __init__(self, config: ModelConfig) -> None:
+        require("derender (the engines' tokenizer, detokenizer and parsers)", PROCESSOR, "vllm")
         if not config.path:
             raise ValueError("in-process derender needs model.path (the engines' tokenizer)")
         from vllm.parser import ParserManager

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import jinja2
 
 from ext_proc.config import TitoConfig
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "envoy"
 TEMPLATE = "envoy.yaml.j2"
+# The checkout's envoy/ (editable installs, tests), else where `pip install tito` put it.
+_CHECKOUT = Path(__file__).resolve().parents[2] / "envoy"
+TEMPLATE_DIR = _CHECKOUT if (_CHECKOUT / TEMPLATE).exists() else Path(sys.prefix) / "share" / "tito" / "envoy"
 
 
 def render_bootstrap(config: TitoConfig) -> str:

@@ -15,6 +15,7 @@ import orjson
 from pydantic import ValidationError
 
 from ext_proc.config import ModelConfig
+from ext_proc.extras import PROCESSOR, require
 from ext_proc.frontend.render import rendered
 from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
 from render_sidecar.launch import model_flags
@@ -29,6 +30,7 @@ class InProcessRender:
 
     @classmethod
     async def load(cls, model: ModelConfig) -> InProcessRender:
+        require("render_config.mode: in_process (vLLM's renderer)", PROCESSOR, "vllm")
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs
         from vllm.config import VllmConfig

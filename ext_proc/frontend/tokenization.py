@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from ext_proc.errors import GatewayError
+from ext_proc.extras import PROCESSOR, require
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import current
@@ -81,6 +82,7 @@ class LocalTokenizer:
     def _load(self) -> Any:
         if not self._model_path:
             raise RuntimeError("no model path configured for the local tokenizer")
+        require("the local tokenizer (render fallback)", PROCESSOR, "transformers")
         import jinja2.meta  # heavy imports: only on the first fallback
         import jinja2.sandbox
         from transformers import AutoTokenizer

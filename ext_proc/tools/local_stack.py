@@ -23,6 +23,7 @@ import httpx
 
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
+from ext_proc.extras import ENGINE, require
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
@@ -199,6 +200,7 @@ def smoke_request(base_url: str, model: str) -> str:
 
 
 def run_up(config: TitoConfig) -> int:
+    require("tito up (vLLM's engine and render server)", ENGINE, "vllm")
     work_dir = Path(config.local.cache_dir).expanduser() / "run"
     stack = LocalStack(config, work_dir)
     stopping = False

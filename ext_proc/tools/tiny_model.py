@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from ext_proc.extras import PROCESSOR, require
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 EOS = "<|im_end|>"
 FORMAT_VERSION = "2"  # bump when the generated files change, so caches are rebuilt
@@ -132,6 +134,7 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     out = cache_dir / f"tiny-qwen3-v{FORMAT_VERSION}"
     if (out / ".complete").exists():
         return out
+    require("generating the tiny model", PROCESSOR, "torch", "transformers", "tokenizers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

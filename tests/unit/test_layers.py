@@ -19,6 +19,7 @@ LAYERS = [
         "ext_proc.model_files",
         "ext_proc.byte_budget",
         "ext_proc.loop_lag",
+        "ext_proc.extras",  # what needs an optional part names its extra
         "ext_proc.obfuscation",  # the token codec: at the boundary of every layer that sees ids
         "ext_proc.observability",  # metrics, traces, stage logs: every layer reports to it
     },
