@@ -35,7 +35,7 @@ def state(services: Services) -> dict[str, Any]:
         "trigger_waiting": len(services.triggers),
         "inflight_bytes": services.inflight.held,
         "tokenization": services.tokenization.snapshot(),
-        "scheduler": services.scheduler.snapshot(),
+        "scheduler": services.scheduler.snapshot(time.monotonic()),  # the planner's clock
         "event_loop_lag": services.loop_lag.snapshot(),
         "draining": services.draining,
         "ready": readiness(services),

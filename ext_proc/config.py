@@ -156,6 +156,14 @@ class ModelConfig(_Strict):
         return bool(self.reasoning_parser or self.tool_call_parser)
 
 
+class KvEventsEndpoint(_Strict):
+    """An engine's KV cache event publisher (vLLM --kv-events-config: endpoint, replay_endpoint, topic)."""
+
+    endpoint: str  # e.g. tcp://10.0.0.7:5557 (the engine binds tcp://*:5557)
+    replay_endpoint: str
+    topic: str = ""
+
+
 class InstanceConfig(Endpoint):
     """One engine. `capabilities` (decode instances): `prefill_handoff_decode` (Handoff: the
     gateway prefills first), `concurrent_engine_sync` (Trigger: the engine calls back for
@@ -164,6 +172,7 @@ class InstanceConfig(Endpoint):
     capabilities: list[Literal["prefill_handoff_decode", "concurrent_engine_sync", "decode_colocation"]] = Field(
         default_factory=list
     )
+    kv_events: KvEventsEndpoint | None = None  # with scheduler.prefix_source: kv_events
 
 
 class PoolConfig(_Strict):
@@ -204,6 +213,12 @@ class SchedulerConfig(_Strict):
     retry_budget_percent: float = 20.0  # Envoy retries at most this share of active requests
     # on: clamp max_tokens to max_model_len - prompt tokens; prompts that do not fit get a 400
     context_budget_mode: Literal["on", "off"] = "off"
+    # Where the prefix index learns what engines hold: their KV cache events (instances with
+    # `kv_events` set; hashes as the engines compute them: --prefix-caching-hash-algo
+    # sha256_cbor, pools[].block_size their block size), else what this gateway routed.
+    prefix_source: Literal["routing", "kv_events"] = "routing"
+    kv_events_lag_s: float = 5.0  # no event this long after a commit: that instance falls back to routing
+    hash_seed: str = "vllm-none-hash"  # the engines' PYTHONHASHSEED, when they set one
     breaker: BreakerSettings = BreakerSettings()
 
 

@@ -21,6 +21,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.http_client import CountingTransport, http_client
+from ext_proc.legs.kv_events import KvEventSubscriber
 from ext_proc.legs.trigger import Triggers
 from ext_proc.obfuscation import build_codec
 from ext_proc.observability.request import Observability
@@ -86,6 +87,9 @@ def build_scheduler(config: TitoConfig) -> Scheduler:
         breaker=BreakerConfig(s.breaker.failure_threshold, s.breaker.base_cooldown_s, s.breaker.max_cooldown_s),
         max_fallbacks=s.max_fallbacks,
         prefix_index_max_blocks=s.prefix_index_max_blocks,
+        prefix_source=s.prefix_source,
+        kv_events_lag_s=s.kv_events_lag_s,
+        hash_seed=s.hash_seed,
     )
 
 
@@ -112,6 +116,14 @@ async def build_renderer(config: TitoConfig, http: httpx.AsyncClient) -> Rendere
 
         return await InProcessRender.load(config.model)
     return RenderClient(render, http)
+
+
+def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEventSubscriber]:
+    """One per engine that publishes KV cache events, when they feed the prefix index."""
+    if config.scheduler.prefix_source != "kv_events":
+        return []
+    instances = [i for pool in config.pools for i in pool.instances]
+    return [KvEventSubscriber(i.address, i.kv_events, scheduler) for i in instances if i.kv_events is not None]
 
 
 def build_services(
@@ -204,6 +216,7 @@ async def serve(
         await server.start()
         admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
         lag_monitor = asyncio.create_task(services.loop_lag.run())
+        subscribers = [asyncio.create_task(s.run()) for s in kv_event_subscribers(config, services.scheduler)]
         log.info("ext_proc listening on %s, admin on port %d", address, config.processor.admin_port)
         if ready is not None:
             ready.set()
@@ -217,6 +230,8 @@ async def serve(
             await drain(services, config.processor.drain_timeout_s)
         finally:
             lag_monitor.cancel()
+            for task in subscribers:
+                task.cancel()
             admin.close()
             await server.stop(grace=2)
-            await asyncio.gather(lag_monitor, return_exceptions=True)
+            await asyncio.gather(lag_monitor, *subscribers, return_exceptions=True)

@@ -10,7 +10,7 @@ import importlib.metadata
 import json
 import sys
 
-from ext_proc.config import ModelConfig, RenderConfig
+from ext_proc.config import KvEventsEndpoint, ModelConfig, RenderConfig
 
 RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -57,6 +57,7 @@ def engine_command(
     role: str = "union",
     kv_connector: str = "none",
     kv_dir: str = "",
+    kv_events: KvEventsEndpoint | None = None,
 ) -> list[str]:
     """An engine serving token-only generate and, as the native reference, OpenAI routes. A
     prefill or decode engine also gets its side of the pool's KV connector (ExampleConnector:
@@ -73,6 +74,28 @@ def engine_command(
         else:  # NIXL over UCX in CPU memory; each engine needs its own side-channel port (env)
             transfer |= {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
         args += ["--kv-transfer-config", json.dumps(transfer)]
+    if kv_events is not None:  # published on the ports the gateway subscribes to, hashed as it hashes
+        args += [
+            "--kv-events-config",
+            json.dumps(_events_config(kv_events)),
+            "--prefix-caching-hash-algo",
+            "sha256_cbor",
+        ]
     if has_vllm_cli():
         return ["vllm", "serve", *args]
     return [sys.executable, "-m", ENGINE_MODULE, *args, "--dtype", "float32"]
+
+
+def _events_config(kv_events: KvEventsEndpoint) -> dict[str, object]:
+    """The engine binds the ports the gateway connects to (vllm-pd-and-kv-events-on-cpu.md §2)."""
+
+    def bound(endpoint: str) -> str:
+        return "tcp://*:" + endpoint.rsplit(":", 1)[1]
+
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": bound(kv_events.endpoint),
+        "replay_endpoint": bound(kv_events.replay_endpoint),
+        "topic": kv_events.topic,
+    }

@@ -4,12 +4,19 @@ from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.context_budget import ContextOverflow, clamp_max_tokens
 from scheduler.dispatch import Decision, Pick, Rejection, Scheduler, ScheduleRequest
 from scheduler.instances import Capability, Instance, Pool, Role
+from scheduler.kv_block_hash import BlockHasher
+from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from scheduler.ledger import Lease, TokenLedger
 from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, LoadBalance, Policy, RoundRobin, make_policy
 from scheduler.prefix_index import PrefixIndex, block_hashes
 
 __all__ = [
     "AffinityWeights",
+    "AllBlocksCleared",
+    "BlockHasher",
+    "BlockRemoved",
+    "BlockStored",
+    "KvEvent",
     "BreakerConfig",
     "BreakerState",
     "Candidate",

@@ -14,6 +14,8 @@ from typing import Any
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.instances import Capability, Instance, Pool, Role
+from scheduler.kv_block_hash import DEFAULT_SEED, BlockHasher
+from scheduler.kv_events import BlockRemoved, BlockStored, EventFeeds, KvEvent
 from scheduler.ledger import TokenLedger
 from scheduler.policies import Candidate, Policy
 from scheduler.prefix_index import PrefixIndex
@@ -48,6 +50,7 @@ class Pick:
     fallbacks: tuple[Instance, ...] = ()
     matched_tokens: int = 0
     hashes: tuple[int, ...] = field(default=(), repr=False)
+    at: float = 0.0  # when it was picked (the clock of `pick`)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -85,18 +88,31 @@ class Scheduler:
         prefix_index: PrefixIndex | None = None,
         max_fallbacks: int = 2,
         prefix_index_max_blocks: int = 1 << 20,
+        prefix_source: str = "routing",
+        kv_events_lag_s: float = 5.0,
+        hash_seed: str = DEFAULT_SEED,
     ) -> None:
         self.pools = {p.role: p for p in pools if p.instances}
         if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
             raise ValueError("a union pool, or a prefill and a decode pool, with at least one instance each")
         self.policy = policy
         self.ledger = ledger or TokenLedger()
-        # One prefix index per pool that prefills (union, prefill), in its engines' block size.
+        # One prefix index per pool that prefills (union, prefill), in its engines' block size;
+        # fed by KV cache events, it hashes blocks as the engines do.
+        if prefix_source not in ("routing", "kv_events"):
+            raise ValueError(f"prefix_source: routing or kv_events, not {prefix_source}")
+        self.prefix_source = prefix_source
         self.prefix_indexes: dict[Role, PrefixIndex] = {
-            role: prefix_index or PrefixIndex(pool.block_size, prefix_index_max_blocks)
+            role: prefix_index
+            or PrefixIndex(
+                pool.block_size,
+                prefix_index_max_blocks,
+                BlockHasher(pool.block_size, hash_seed).hashes if prefix_source == "kv_events" else None,
+            )
             for role, pool in self.pools.items()
             if role is not Role.DECODE
         }
+        self.feeds = EventFeeds(kv_events_lag_s)
         self.max_fallbacks = max_fallbacks
         breaker = breaker or BreakerConfig()
         self.instances = [i for p in self.pools.values() for i in p.instances]
@@ -163,7 +179,7 @@ class Scheduler:
         ranked = self.policy.rank(candidates, len(request.prompt_token_ids))
         chosen = ranked[0]
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
-        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes))
+        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now)
 
     def commit(self, pick: Pick) -> Decision:
         """Take the leg's lease (keyed by its request id), claim a half-open probe, and
@@ -173,7 +189,10 @@ class Scheduler:
         self.breakers[address].on_dispatch()
         index = self.prefix_indexes.get(pick.role)
         if pick.hashes and index is not None:
-            index.record(pick.hashes, address)
+            if self.feeds.event_fed(address, pick.at):  # the engine's events will say what it holds
+                self.feeds.committed(address, pick.at)
+            else:
+                index.record(pick.hashes, address)
         return Decision(pick.request.request_id, pick.instance, pick.fallbacks, pick.matched_tokens)
 
     def schedule(self, request: ScheduleRequest, now: float, role: Role = Role.UNION) -> Decision | Rejection:
@@ -208,8 +227,24 @@ class Scheduler:
         if lease is not None and not verdict:
             self.breakers[lease.address].record_abandoned()
 
-    def snapshot(self) -> dict[str, Any]:
+    def kv_events(self, address: str, events: Iterable[KvEvent]) -> None:
+        """An instance's engine reported what its KV cache now holds (or no longer holds)."""
+        instance = next((i for i in self.instances if i.address == address), None)
+        index = self.prefix_indexes.get(instance.role) if instance is not None else None
+        if index is None:
+            return  # a decode instance: its cache is filled by handoffs, not scheduled on
+        for event in events:
+            if isinstance(event, BlockStored):
+                index.record(event.block_hashes, address)
+            elif isinstance(event, BlockRemoved):
+                index.remove(event.block_hashes, address)
+            else:
+                index.clear(address)
+        self.feeds.received(address)
+
+    def snapshot(self, now: float = 0.0) -> dict[str, Any]:
         return {
+            "prefix_source": self.prefix_source,
             "policy": type(self.policy).__name__,
             "total_active_tokens": self.ledger.total_tokens,
             "active_requests": self.ledger.active_leases,
@@ -222,6 +257,7 @@ class Scheduler:
                     "breaker": self.breakers[i.address].state.value,
                     "consecutive_failures": self.breakers[i.address].failures,
                     "token_only": self.supports_token_only(i.address),
+                    "prefix_source": "kv_events" if self.feeds.event_fed(i.address, now) else "routing",
                 }
                 for i in self.instances
             },

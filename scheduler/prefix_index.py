@@ -1,9 +1,11 @@
-"""KV prefix index: which instance served which full blocks of final prompt token ids.
+"""KV prefix index: which instance holds which full blocks of final prompt token ids.
 
-Each full block is hashed with XXH3-64 chained through the seed (block i is hashed with
-block i-1's hash as seed), so one hash names a whole prefix and a flat LRU map suffices.
-Entries are recorded at routing time; memory is bounded by `max_blocks` (LRU eviction).
-Only full blocks count, like vLLM's own prefix cache.
+Each full block's hash is chained through the one before it, so one hash names a whole
+prefix and a flat LRU map suffices. Two hash functions: XXH3-64 (block i hashed with block
+i-1's hash as seed), or the engines' own (`kv_block_hash.py`) when their KV cache events
+feed the index. Entries come from routing-time records and from those events (stored,
+removed, all cleared); memory is bounded by `max_blocks` (LRU eviction). Only full blocks
+count, like vLLM's own prefix cache.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -37,18 +39,42 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int = 16, max_blocks: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        max_blocks: int = 1 << 20,
+        hasher: Callable[[Sequence[int]], list[int]] | None = None,
+    ) -> None:
         if block_size < 1 or max_blocks < 1:
             raise ValueError("block_size and max_blocks must be positive")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self._hasher = hasher
         self._blocks: OrderedDict[int, set[str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        if self._hasher is not None:
+            return self._hasher(token_ids)
         return block_hashes(token_ids, self.block_size)
+
+    def remove(self, hashes: Sequence[int], address: str) -> None:
+        """The instance no longer holds these blocks (evicted)."""
+        blocks = self._blocks
+        for h in hashes:
+            holders = blocks.get(h)
+            if holders is not None:
+                holders.discard(address)
+                if not holders:
+                    del blocks[h]
+
+    def clear(self, address: str) -> None:
+        """The instance holds nothing any more (its prefix cache was reset): one pass over
+        the index, for an event that comes with an engine reset."""
+        for h in [h for h, holders in self._blocks.items() if address in holders]:
+            self.remove((h,), address)
 
     def record(self, hashes: Sequence[int], address: str) -> None:
         blocks = self._blocks

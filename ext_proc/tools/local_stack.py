@@ -129,7 +129,14 @@ class LocalStack:
         kv_dir.mkdir(parents=True, exist_ok=True)
         for n, (name, pool, instance) in enumerate(self.engines()):
             command = engine_command(
-                model, self.model_path, instance.host, instance.port, pool.role, pool.kv_connector, str(kv_dir)
+                model,
+                self.model_path,
+                instance.host,
+                instance.port,
+                pool.role,
+                pool.kv_connector,
+                str(kv_dir),
+                instance.kv_events,
             )
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
