@@ -141,7 +141,7 @@ class Reader:
             time.sleep(0.3)
 
 
-def _cut_mid_answer(stack: RunningStack, body: dict[str, Any], attempts: int = 5) -> tuple[str, Reader]:
+def _cut_mid_answer(stack: RunningStack, body: dict[str, Any], attempts: int = 10) -> tuple[str, Reader]:
     """A stream whose engine dies mid-answer: once the client has text, the serving engine is
     stopped (SIGSTOP) and what it already sent drains; if the client's stream has not ended
     then, the rest is frozen inside the engine, and SIGKILL cuts it mid-answer. The engine's
