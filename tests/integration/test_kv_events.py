@@ -58,6 +58,11 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     assert condition()
 
 
+def _source(scheduler: Scheduler, address: str = "a:1") -> str:
+    source: str = scheduler.snapshot(time.monotonic())["instances"][address]["prefix_source"]
+    return source
+
+
 async def test_replay_then_live_events_keep_the_index(publisher: tuple[object, KvEventsEndpoint]) -> None:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
@@ -70,8 +75,9 @@ async def test_replay_then_live_events_keep_the_index(publisher: tuple[object, K
     subscriber = KvEventSubscriber("a:1", endpoint, scheduler)
     task = asyncio.create_task(subscriber.run())
     try:
-        await _until(lambda: scheduler.prefix_index.match(HASHES) == {"a:1": len(HASHES)})
-        assert scheduler.snapshot(time.monotonic())["instances"]["a:1"]["prefix_source"] == "kv_events"
+        # subscribed once the replay is over (the replayed batch may land a moment before)
+        await _until(lambda: _source(scheduler) == "kv_events")
+        assert scheduler.prefix_index.match(HASHES) == {"a:1": len(HASHES)}
         _publish(engine, BlockRemoved(block_hashes=HASHES[3:], medium="GPU"))  # evicted
         await _until(lambda: scheduler.prefix_index.match(HASHES) == {"a:1": 3})
         _publish(engine, AllBlocksCleared())  # the engine's prefix cache was reset
