@@ -3,6 +3,7 @@
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.context_budget import ContextOverflow, clamp_max_tokens
 from scheduler.dispatch import Decision, Pick, Rejection, Scheduler, ScheduleRequest
+from scheduler.engine_load import EngineLoad, EngineLoads
 from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.kv_block_hash import BlockHasher
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -24,6 +25,8 @@ __all__ = [
     "CircuitBreaker",
     "ContextOverflow",
     "Decision",
+    "EngineLoad",
+    "EngineLoads",
     "Instance",
     "KvCacheAffinity",
     "Lease",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from scheduler.engine_load import EngineLoad, EngineLoads
 from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.kv_block_hash import DEFAULT_SEED, BlockHasher
 from scheduler.kv_events import BlockRemoved, BlockStored, EventFeeds, KvEvent
@@ -91,6 +92,8 @@ class Scheduler:
         prefix_source: str = "routing",
         kv_events_lag_s: float = 5.0,
         hash_seed: str = DEFAULT_SEED,
+        load_source: str = "ledger",
+        engine_metrics_stale_s: float = 5.0,
     ) -> None:
         self.pools = {p.role: p for p in pools if p.instances}
         if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
@@ -113,6 +116,13 @@ class Scheduler:
             if role is not Role.DECODE
         }
         self.feeds = EventFeeds(kv_events_lag_s)
+        # What ranking counts as an instance's load: this process's ledger, or that combined
+        # with the engine's own figures (other processors' traffic included). Admission stays
+        # on the ledger either way.
+        if load_source not in ("ledger", "engine_metrics"):
+            raise ValueError(f"load_source: ledger or engine_metrics, not {load_source}")
+        self.load_source = load_source
+        self.engine_loads = EngineLoads(engine_metrics_stale_s)
         self.max_fallbacks = max_fallbacks
         breaker = breaker or BreakerConfig()
         self.instances = [i for p in self.pools.values() for i in p.instances]
@@ -166,16 +176,10 @@ class Scheduler:
         hashes = index.hashes(request.prompt_token_ids) if index is not None else []
         matched = index.match(hashes) if index is not None and hashes else {}
         block = index.block_size if index is not None else 0
-        candidates = [
-            Candidate(
-                instance=i,
-                position=n,
-                active_tokens=self.ledger.active_tokens(i.address),
-                active_requests=self.ledger.active_requests(i.address),
-                matched_tokens=matched.get(i.address, 0) * block,
-            )
-            for n, i in roomy
-        ]
+        candidates = []
+        for n, i in roomy:
+            tokens, requests = self._load(i.address, now)
+            candidates.append(Candidate(i, n, tokens, requests, matched.get(i.address, 0) * block))
         ranked = self.policy.rank(candidates, len(request.prompt_token_ids))
         chosen = ranked[0]
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
@@ -187,6 +191,7 @@ class Scheduler:
         address = pick.instance.address
         self.ledger.acquire(pick.request.request_id, address, pick.request.demand)
         self.breakers[address].on_dispatch()
+        self.engine_loads.committed(address, pick.request.demand)
         index = self.prefix_indexes.get(pick.role)
         if pick.hashes and index is not None:
             if self.feeds.event_fed(address, pick.at):  # the engine's events will say what it holds
@@ -227,6 +232,28 @@ class Scheduler:
         if lease is not None and not verdict:
             self.breakers[lease.address].record_abandoned()
 
+    def _load(self, address: str, now: float) -> tuple[int, int]:
+        """(active tokens, active requests) as ranking sees them."""
+        tokens, requests = self.ledger.active_tokens(address), self.ledger.active_requests(address)
+        if self.load_source != "engine_metrics":
+            return tokens, requests
+        return self.engine_loads.active(address, now, tokens, requests)
+
+    def engine_load(self, address: str, load: EngineLoad) -> None:
+        """An instance's engine reported its load (a sample of its metrics)."""
+        if address in self.breakers:
+            self.engine_loads.sampled(address, load)
+
+    def _held(self, instance: Instance) -> int:
+        """Blocks the index says the instance holds (0 for a decode instance: not indexed)."""
+        index = self.prefix_indexes.get(instance.role)
+        return index.held(instance.address) if index is not None else 0
+
+    def _load_snapshot(self, address: str, now: float) -> dict[str, Any]:
+        fed = self.load_source == "engine_metrics" and self.engine_loads.fresh(address, now) is not None
+        engine = self.engine_loads.describe(address, now)
+        return {"load_source": "engine_metrics" if fed else "ledger", **({"engine": engine} if engine else {})}
+
     def kv_events(self, address: str, events: Iterable[KvEvent]) -> None:
         """An instance's engine reported what its KV cache now holds (or no longer holds)."""
         instance = next((i for i in self.instances if i.address == address), None)
@@ -247,6 +274,8 @@ class Scheduler:
             "prefix_source": self.prefix_source,
             "policy": type(self.policy).__name__,
             "total_active_tokens": self.ledger.total_tokens,
+            # this process's share of the budgets (AdmissionConfig: split between processes)
+            "token_budgets": {"global": self.ledger.global_budget, "instance": self.ledger.instance_budget},
             "active_requests": self.ledger.active_leases,
             "prefix_index_blocks": sum(len(index) for index in set(self.prefix_indexes.values())),
             "instances": {
@@ -258,6 +287,8 @@ class Scheduler:
                     "consecutive_failures": self.breakers[i.address].failures,
                     "token_only": self.supports_token_only(i.address),
                     "prefix_source": "kv_events" if self.feeds.event_fed(i.address, now) else "routing",
+                    "prefix_blocks": self._held(i),
+                    **self._load_snapshot(i.address, now),
                 }
                 for i in self.instances
             },

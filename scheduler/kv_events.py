@@ -19,6 +19,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: tuple[int, ...]
+    block_size: int = 0  # as the engine announced it (0: not said)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import xxhash
@@ -51,9 +51,14 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._hasher = hasher
         self._blocks: OrderedDict[int, set[str]] = OrderedDict()
+        self._held: Counter[str] = Counter()  # blocks per instance, for /debug/state
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def held(self, address: str) -> int:
+        """How many blocks the index says this instance holds."""
+        return self._held[address]
 
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
         if self._hasher is not None:
@@ -65,8 +70,9 @@ class PrefixIndex:
         blocks = self._blocks
         for h in hashes:
             holders = blocks.get(h)
-            if holders is not None:
+            if holders is not None and address in holders:
                 holders.discard(address)
+                self._held[address] -= 1
                 if not holders:
                     del blocks[h]
 
@@ -77,16 +83,20 @@ class PrefixIndex:
             self.remove((h,), address)
 
     def record(self, hashes: Sequence[int], address: str) -> None:
-        blocks = self._blocks
+        blocks, held = self._blocks, self._held
         for h in hashes:
             holders = blocks.get(h)
             if holders is None:
                 blocks[h] = {address}
+                held[address] += 1
             else:
-                holders.add(address)
+                if address not in holders:
+                    holders.add(address)
+                    held[address] += 1
                 blocks.move_to_end(h)
         while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
+            _, evicted = blocks.popitem(last=False)
+            held.subtract(evicted)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading blocks it holds (instances with none are absent)."""
