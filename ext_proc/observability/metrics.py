@@ -143,6 +143,9 @@ class Metrics:
         )
         self.admission_rejections = counter("tito_admission_rejections", "requests refused by admission", ("code",))
         self.relays = counter("tito_relays", "engine streams replaced mid-answer (reschedule)")
+        self.prefix_matched_tokens = counter(
+            "tito_prefix_matched_tokens", "prompt tokens the chosen instance held in its KV cache, per the index"
+        )
         self.cancellations = counter("tito_cancellations", "requests whose client left before the end", ("api",))
 
     def watch(self, state: Callable[[], dict[str, Any]]) -> None:

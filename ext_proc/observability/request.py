@@ -59,6 +59,7 @@ class RequestRecord:
         self.status: int | None = None
         self.code = ""
         self.prompt_tokens = 0
+        self._matched: dict[str, int] = {}  # lease -> prompt tokens its instance held
         self.completion_tokens = 0
         self._first_chunk: float | None = None
         self._chunks = ChunkCounts()
@@ -104,10 +105,16 @@ class RequestRecord:
     def rejected(self, code: str) -> None:
         self._o.metrics.admission_rejections.labels(code).inc()
 
+    def committed(self, lease_id: str, matched_tokens: int) -> None:
+        """A leg was placed on an instance holding `matched_tokens` of its prompt (per the index)."""
+        self._matched[lease_id] = matched_tokens
+        self._o.metrics.prefix_matched_tokens.inc(matched_tokens)
+
     def leg(self, lease_id: str, hosts: tuple[str, ...], role: str = "routed") -> dict[str, str]:
         """An engine leg starts: logged; its span's context as the engine's `traceparent`
         (tracing off: none, the client's own goes on)."""
-        stage("generate", self.request_id, lease=lease_id, role=role, instance=hosts[0] if hosts else "")
+        instance, matched = hosts[0] if hosts else "", self._matched.get(lease_id, 0)
+        stage("generate", self.request_id, lease=lease_id, role=role, instance=instance, matched_tokens=matched)
         if self._span is None or self._o.tracer is None:
             return {}
         span = tracing.child_span(self._o.tracer, self._span, "generate", time.time_ns(), SpanKind.CLIENT)

@@ -27,7 +27,7 @@ from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
-from scheduler import Capability, Pick, Rejection, Role, Scheduler, ScheduleRequest
+from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
 class Planner:
@@ -91,7 +91,7 @@ class Planner:
         if isinstance(alone, Rejection):
             code = "token_budget_exceeded" if alone.status == 429 else "no_healthy_instance"
             raise GatewayError(alone.status, alone.reason, code=code)
-        decision = self.scheduler.commit(alone)
+        decision = self._commit_pick(alone)
         if (
             len(tokenized.prompts) > 1  # an instance without token-only generate serves the batch natively
             or not tokenized.complete
@@ -104,6 +104,14 @@ class Planner:
         prompt = tokenized.prompts[0]
         leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
         return TokenOnly(_kept(tokenized), (leg,))
+
+    def _commit_pick(self, pick: Pick) -> Decision:
+        """Commit a leg; its request's record learns how much of the prompt the instance held."""
+        decision = self.scheduler.commit(pick)
+        record = current()
+        if record is not None:
+            record.committed(decision.request_id, decision.matched_tokens)
+        return decision
 
     def _relays(self, tokenized: TokenizedRequest) -> bool:
         """Streaming single-prompt requests are relayed (processor-owned) when reschedule is on
@@ -152,7 +160,7 @@ class Planner:
         if isinstance(pick, Rejection):
             code = "token_budget_exceeded" if pick.status == 429 else "no_healthy_instance"
             raise GatewayError(pick.status, pick.reason, code=code)
-        decision = self.scheduler.commit(pick)
+        decision = self._commit_pick(pick)
         return Leg(role, decision.request_id, decision.hosts, prompt, budget)
 
     def _give_back(self, legs: list[Leg]) -> None:
@@ -222,7 +230,7 @@ class Planner:
         return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
 
     def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
-        decision = self.scheduler.commit(pick)
+        decision = self._commit_pick(pick)
         return Leg(pick.role, decision.request_id, decision.hosts, tokenized.prompts[0], max_tokens)
 
     def next_prefill(self, plan: TokenOnly, tried: tuple[str, ...], attempt: int) -> TokenOnly | None:
@@ -239,7 +247,7 @@ class Planner:
         alone = self._alone(plan.tokenized, self._clock())
         if isinstance(alone, Rejection):
             return Local(error.status, error.body)
-        decision = self.scheduler.commit(alone)
+        decision = self._commit_pick(alone)
         leg = Leg(alone.role, decision.request_id, decision.hosts, plan.tokenized.prompts[0], alone.request.max_tokens)
         return TokenOnly(plan.tokenized, (leg,))
 
