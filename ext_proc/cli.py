@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from pathlib import Path
 
-from ext_proc.config import load_config
+from ext_proc.config import ProcessorConfig, load_config
 from ext_proc.extras import MissingExtra
 
 
@@ -17,9 +18,27 @@ def _processor(args: argparse.Namespace) -> int:
     from ext_proc.server import serve
 
     config = load_config(args.config)
+    if args.workers is not None:
+        processor = ProcessorConfig.model_validate({**config.processor.model_dump(), "workers": args.workers})
+        config = config.model_copy(update={"processor": processor})
+    if args.worker is None and config.processor.workers > 1:
+        from ext_proc.workers import supervise
+
+        processor = config.processor
+        ports = [(processor.host, port) for port, _ in processor.worker_ports()]
+        return supervise(functools.partial(_worker_command, args, processor.workers), ports)
+    if args.worker is not None:
+        config = config.model_copy(update={"processor": config.processor.for_worker(args.worker)})
     configure_logging(args.log_level, config.logging.format)
     asyncio.run(serve(config))
     return 0
+
+
+def _worker_command(args: argparse.Namespace, workers: int, index: int) -> list[str]:
+    """One worker of `tito processor --workers N`: the same config, its own ports."""
+    config = ["--config", args.config] if args.config else []
+    processor = ["processor", "--workers", str(workers), "--worker", str(index)]
+    return [sys.executable, "-m", "ext_proc.cli", *config, "--log-level", args.log_level, *processor]
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -75,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("up", help="run the local stack: render sidecar, CPU vLLM engine, processor, Envoy").set_defaults(
         func=_up
     )
-    sub.add_parser("processor", help="run the ext_proc gRPC server").set_defaults(func=_processor)
+    processor = sub.add_parser("processor", help="run the ext_proc gRPC server")
+    processor.add_argument("--workers", type=int, help="processes on this host (default: processor.workers)")
+    processor.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # set by the supervisor
+    processor.set_defaults(func=_processor)
     envoy = sub.add_parser("envoy-config", help="write the Envoy bootstrap for the config")
     envoy.add_argument("--out", help="file to write (default: stdout)")
     envoy.set_defaults(func=_envoy_config)

@@ -110,6 +110,33 @@ class ProcessorConfig(_Strict):
     owned_queue_depth: int = 32
     # SIGTERM: open streams may finish this long; then they end with an error event
     drain_timeout_s: float = 30.0
+    # Processor processes on this host (`tito processor --workers N`), each a gRPC server
+    # Envoy balances streams over: one Python process tops out at a few thousand chunks/s.
+    # Worker i takes the port pair `port + 2i`, `admin_port + 2i` (9002/9003, 9004/9005, ...).
+    workers: int = Field(default=1, ge=1)
+    worker_index: int = Field(default=0, ge=0)  # set by the supervisor for each worker
+
+    @model_validator(mode="after")
+    def _worker_ports_disjoint(self) -> ProcessorConfig:
+        grpc, admin = (set(ports) for ports in zip(*self.worker_ports(), strict=True))
+        if grpc & admin:
+            raise ValueError(
+                f"processor: {self.workers} workers take ports port + 2i and admin_port + 2i;"
+                f" {sorted(grpc & admin)} would be both (make admin_port - port odd)"
+            )
+        return self
+
+    def worker_ports(self) -> list[tuple[int, int]]:
+        """(gRPC port, admin port) of every worker, worker 0 first."""
+        base = 2 * self.worker_index
+        return [(self.port - base + 2 * i, self.admin_port - base + 2 * i) for i in range(self.workers)]
+
+    def for_worker(self, index: int) -> ProcessorConfig:
+        """Worker `index`'s own ports (its admin port also serves its Trigger callbacks)."""
+        shift = 2 * (index - self.worker_index)
+        return self.model_copy(
+            update={"port": self.port + shift, "admin_port": self.admin_port + shift, "worker_index": index}
+        )
 
 
 class RenderConfig(_Strict):
@@ -180,7 +207,9 @@ class PoolConfig(_Strict):
     role: Literal["union", "prefill", "decode"] = "union"
     instances: list[InstanceConfig] = Field(default_factory=lambda: [InstanceConfig(port=8200)])
     max_requests_per_instance: int = 1024  # Envoy's circuit breaker for these engines
-    block_size: int = 16  # the engines' KV block size (vLLM's GPU default; CPU engines use 128)
+    # The engines' KV block size, which the prefix index hashes in: vLLM's default is 128 on
+    # CPUs (what `tito up` runs, and passes on as --block-size) and Ascend NPUs, 16 on GPUs.
+    block_size: int = 128
     # How KV moves from prefill to decode: `example` (a shared folder: prefill returns no
     # params, decode finds the KV by prompt), `nixl` (prefill returns pull params decode needs).
     kv_connector: Literal["none", "example", "nixl"] = "none"
@@ -216,9 +245,18 @@ class SchedulerConfig(_Strict):
     # Where the prefix index learns what engines hold: their KV cache events (instances with
     # `kv_events` set; hashes as the engines compute them: --prefix-caching-hash-algo
     # sha256_cbor, pools[].block_size their block size), else what this gateway routed.
-    prefix_source: Literal["routing", "kv_events"] = "routing"
+    # Instances without `kv_events` (or whose stream is down or lags) use routing records.
+    prefix_source: Literal["routing", "kv_events"] = "kv_events"
     kv_events_lag_s: float = 5.0  # no event this long after a commit: that instance falls back to routing
     hash_seed: str = "vllm-none-hash"  # the engines' PYTHONHASHSEED, when they set one
+    # What load balancing counts as an instance's load. ledger: the requests this processor
+    # sent. engine_metrics: also what each engine's /metrics reports (running and waiting
+    # requests, KV cache usage), polled every engine_metrics_interval_s: processors that share
+    # an engine pool then see each other's traffic. A sample older than engine_metrics_stale_s
+    # (metrics unreachable): the ledger alone. Admission (token budgets) is the ledger's either way.
+    load_source: Literal["ledger", "engine_metrics"] = "ledger"
+    engine_metrics_interval_s: float = 1.0
+    engine_metrics_stale_s: float = 5.0
     breaker: BreakerSettings = BreakerSettings()
 
 
@@ -234,10 +272,17 @@ class RescheduleConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """Token budgets (prompt tokens + max_tokens of every active request); None is unlimited."""
+    """Token budgets (prompt tokens + max_tokens of every active request); None is unlimited.
+
+    The budgets are the whole gateway's. Every processor process (`replicas` gateways with
+    `processor.workers` each) enforces an equal share, rounded down, on its own ledger: the
+    shares never add up to more than the budget, whichever process Envoy picks, with no
+    coordination on the request path. A request larger than one share is refused (429).
+    """
 
     global_token_budget: int | None = None
     instance_token_budget: int | None = None
+    replicas: int = Field(default=1, ge=1)  # gateway replicas (hosts) sharing these engines
 
 
 class ObfuscationConfig(_Strict):
@@ -276,6 +321,9 @@ class LocalStackConfig(_Strict):
 
     cache_dir: str = "~/.cache/tito"
     engine_kv_cache_gib: int = 1
+    # Engines without `kv_events` publish on this port pair and the next ones (engine n:
+    # + 2n, + 2n + 1) when scheduler.prefix_source is kv_events (vLLM's default port: 5557).
+    kv_events_port: int = 5557
     startup_timeout_s: int = 300
 
 
@@ -311,6 +359,16 @@ class TitoConfig(_Strict):
 
     def pool(self, role: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.role == role), None)
+
+    @property
+    def process_token_budgets(self) -> tuple[int | None, int | None]:
+        """This process's share of the global and per-instance budgets (AdmissionConfig)."""
+        shares = self.admission.replicas * self.processor.workers
+
+        def share(budget: int | None) -> int | None:
+            return None if budget is None else budget // shares
+
+        return share(self.admission.global_token_budget), share(self.admission.instance_token_budget)
 
     @property
     def inflight_bytes(self) -> int:

@@ -20,6 +20,7 @@ from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.legs.engine_metrics import engine_metrics_pollers
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.kv_events import KvEventSubscriber
 from ext_proc.legs.trigger import Triggers
@@ -83,13 +84,15 @@ def build_scheduler(config: TitoConfig) -> Scheduler:
     return Scheduler(
         pools=[_pool(p) for p in config.pools],
         policy=make_policy(s.policy, weights),
-        ledger=TokenLedger(config.admission.global_token_budget, config.admission.instance_token_budget),
+        ledger=TokenLedger(*config.process_token_budgets),
         breaker=BreakerConfig(s.breaker.failure_threshold, s.breaker.base_cooldown_s, s.breaker.max_cooldown_s),
         max_fallbacks=s.max_fallbacks,
         prefix_index_max_blocks=s.prefix_index_max_blocks,
         prefix_source=s.prefix_source,
         kv_events_lag_s=s.kv_events_lag_s,
         hash_seed=s.hash_seed,
+        load_source=s.load_source,
+        engine_metrics_stale_s=s.engine_metrics_stale_s,
     )
 
 
@@ -122,8 +125,12 @@ def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEve
     """One per engine that publishes KV cache events, when they feed the prefix index."""
     if config.scheduler.prefix_source != "kv_events":
         return []
-    instances = [i for pool in config.pools for i in pool.instances]
-    return [KvEventSubscriber(i.address, i.kv_events, scheduler) for i in instances if i.kv_events is not None]
+    return [
+        KvEventSubscriber(i.address, i.kv_events, scheduler, pool.block_size)
+        for pool in config.pools
+        for i in pool.instances
+        if i.kv_events is not None
+    ]
 
 
 def build_services(
@@ -217,7 +224,9 @@ async def serve(
         admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
         lag_monitor = asyncio.create_task(services.loop_lag.run())
         subscribers = [asyncio.create_task(s.run()) for s in kv_event_subscribers(config, services.scheduler)]
-        log.info("ext_proc listening on %s, admin on port %d", address, config.processor.admin_port)
+        pollers = [asyncio.create_task(p.run()) for p in engine_metrics_pollers(config, services.scheduler, http)]
+        worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
+        log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
         if ready is not None:
             ready.set()
         if stop is None:
@@ -230,8 +239,8 @@ async def serve(
             await drain(services, config.processor.drain_timeout_s)
         finally:
             lag_monitor.cancel()
-            for task in subscribers:
+            for task in [*subscribers, *pollers]:
                 task.cancel()
             admin.close()
             await server.stop(grace=2)
-            await asyncio.gather(lag_monitor, *subscribers, return_exceptions=True)
+            await asyncio.gather(lag_monitor, *subscribers, *pollers, return_exceptions=True)

@@ -24,7 +24,15 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.config import Endpoint, ListenerConfig, ProcessorConfig, RenderConfig, TitoConfig
+from ext_proc.config import (
+    Endpoint,
+    InstanceConfig,
+    KvEventsEndpoint,
+    ListenerConfig,
+    ProcessorConfig,
+    RenderConfig,
+    TitoConfig,
+)
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer
@@ -60,6 +68,14 @@ def free_port() -> int:
     raise RuntimeError("no free port left below the ephemeral range")
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (processor workers take port pairs)."""
+    while True:
+        first = free_port()
+        if all(free_port() == first + i for i in range(1, n)):
+            return first
+
+
 def port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -88,9 +104,11 @@ def gateway_config(
     cache_dir: Path, render_port: int, engines: list[Endpoint], model_path: str | None, **sections: Any
 ) -> TitoConfig:
     """A config on free ports; `sections` are merged into its sections (e.g. scheduler={...})."""
+    workers = sections.get("processor", {}).get("workers", 1)
+    processor = free_ports(2 * workers)  # worker i: port + 2i, admin_port + 2i
     raw: dict[str, Any] = {
         "listener": ListenerConfig(port=free_port(), admin_port=free_port()).model_dump(),
-        "processor": ProcessorConfig(port=free_port(), admin_port=free_port()).model_dump(),
+        "processor": ProcessorConfig(port=processor, admin_port=processor + 1).model_dump(),
         "render_config": RenderConfig(endpoint=Endpoint(port=render_port)).model_dump(),
         "model": {"path": model_path},
         "pools": [{"name": "union", "role": "union", "instances": [e.model_dump() for e in engines]}],
@@ -98,6 +116,8 @@ def gateway_config(
     }
     for key, value in sections.items():
         raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) and isinstance(value, dict) else value
+    # `tito up`'s engines publish KV cache events on port pairs from here (one pair each)
+    raw["local"].setdefault("kv_events_port", free_ports(2 * sum(len(p["instances"]) for p in raw["pools"])))
     return TitoConfig.model_validate(raw)
 
 
@@ -121,9 +141,32 @@ class RunningStack:
     def model_path(self) -> str:
         return str(ensure_tiny_model(Path(self.config.local.cache_dir)))
 
+    @property
+    def running_config(self) -> dict[str, Any]:
+        """The config `tito up` gave its processor: this one plus what it filled in (the model
+        path, each engine's KV cache event endpoints)."""
+        path = Path(self.config.local.cache_dir) / "run" / "tito.yaml"
+        config: dict[str, Any] = yaml.safe_load(path.read_text())
+        return config
+
+    @property
+    def admin_urls(self) -> list[str]:
+        """Every processor worker's admin port, worker 0 first."""
+        return [f"http://127.0.0.1:{admin}" for _, admin in self.config.processor.worker_ports()]
+
+    def states(self) -> list[dict[str, Any]]:
+        """Every processor worker's /debug/state."""
+        return [httpx.get(url + "/debug/state", timeout=5, trust_env=False).json() for url in self.admin_urls]
+
+    def stages(self, request_id: str) -> list[dict[str, Any]]:
+        """The stage lines (logging.format json) of one request, from the processors' shared log."""
+        log = Path(self.config.local.cache_dir) / "run" / "logs" / "processor.log"
+        lines = [orjson.loads(line) for line in log.read_bytes().splitlines() if line.startswith(b"{")]
+        return [line for line in lines if line.get("request_id") == request_id and "stage" in line]
+
 
 @contextlib.contextmanager
-def tito_up(work: Path, config: TitoConfig) -> Iterator[RunningStack]:
+def tito_up(work: Path, config: TitoConfig, env: dict[str, str] | None = None) -> Iterator[RunningStack]:
     """`tito up` with this config, as a newcomer runs it; stopped (and checked) on exit."""
     _require_vllm()
     config_path = work / "tito.yaml"
@@ -134,6 +177,7 @@ def tito_up(work: Path, config: TitoConfig) -> Iterator[RunningStack]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     running = RunningStack(config, process)
     ready = threading.Event()
@@ -168,6 +212,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator
     parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
     config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None, model=parsers)
     with tito_up(work, config) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def two_engines(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """`tito up` with two CPU engines that publish KV cache events (the default), two processor
+    workers and relay on, shared by the scale-out and relay tests. The relay test kills an
+    engine: it runs last (tests/e2e/test_owned_real.py sorts after test_kv_events_real.py)."""
+    work = tmp_path_factory.mktemp("twoengines")
+    pools = [{"name": "union", "role": "union", "instances": [{"port": free_port()}, {"port": free_port()}]}]
+    config = gateway_config(
+        work / "cache",
+        free_port(),
+        [],
+        stack.model_path,
+        pools=pools,
+        model={**stack.config.model.model_dump(), "path": stack.model_path},
+        processor={"workers": 2},
+        reschedule={"enable": True},
+        logging={"format": "json"},
+    )
+    # VLLM_SERVER_DEV_MODE: the engines serve /reset_prefix_cache (AllBlocksCleared)
+    with tito_up(work, config, env={"VLLM_SERVER_DEV_MODE": "1"}) as running:
         yield running
 
 
@@ -274,14 +341,29 @@ def start_gateway(
 
 
 def start_sim_gateway(
-    stack: RunningStack, work: Path, n_engines: int, render_port: int | None = None, **sections: Any
+    stack: RunningStack,
+    work: Path,
+    n_engines: int,
+    render_port: int | None = None,
+    kv_events: bool = False,
+    **sections: Any,
 ) -> tuple[SimGateway, list[SimServer]]:
     """A gateway over `n_engines` simulators; render is the stack's real sidecar unless
-    `render_port` points elsewhere (a fault proxy in front of it, or nothing at all)."""
+    `render_port` points elsewhere (a fault proxy in front of it, or nothing at all).
+    `kv_events`: the simulators publish KV cache events and the processor subscribes."""
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
-    engines = [Endpoint(port=s.sim.port) for s in servers]
+    engines = [_sim_instance(s.sim, kv_events) for s in servers]
     config, gateway = start_gateway(stack, work, engines, render_port, **sections)
     return SimGateway(config, gateway, [s.sim for s in servers]), servers
+
+
+def _sim_instance(sim: EngineSim, kv_events: bool) -> InstanceConfig:
+    if not kv_events:
+        return InstanceConfig(port=sim.port)
+    port = free_ports(2)
+    events = sim.publish_kv_events(port, port + 1)
+    endpoint = KvEventsEndpoint(endpoint=events.endpoint, replay_endpoint=events.replay_endpoint)
+    return InstanceConfig(port=sim.port, kv_events=endpoint)
 
 
 @contextlib.contextmanager
@@ -293,7 +375,7 @@ def running_sim_gateway(stack: RunningStack, work: Path, n_engines: int, **secti
     finally:
         gateway.gateway.stop()
         for server in servers:
-            server.stop()
+            server.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ finish chunk with `weight_versions`, the `choices: []` usage chunk, `data: [DONE
 `generate-tokens-<X-Request-Id>` ids. Prefill/decode: a generate whose `kv_transfer_params`
 say `do_remote_decode` is a prefill leg (one token, and NIXL-style pull params in the
 answer); a decode leg whose params carry a `metaserver` (Trigger) first POSTs the callback
-a layer-wise decode engine makes, and fails if the gateway does not answer 200.
+a layer-wise decode engine makes, and fails if the gateway does not answer 200. `GET /metrics`
+is vLLM's Prometheus text for the few families load balancing reads: the generate requests
+in progress as running, plus an `external_load` that stands for other gateways' traffic.
 
 Run one as a process: `python -m tests.engine_sim --port 8300`.
 """
@@ -30,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ext_proc.obfuscation import ObfuscationProvider
 from tests.servers import ThreadedServer
@@ -70,6 +73,48 @@ class AbortStream(Exception):
     """Raised inside a streaming body: the server drops the connection mid-response."""
 
 
+class SimKvEvents:
+    """What an engine started with --kv-events-config and --prefix-caching-hash-algo sha256_cbor
+    publishes, by vLLM's own parts: its ZMQ publisher (with the replay socket) and its block
+    hash. Every prompt's full blocks are announced as stored (a simulator holds everything it
+    was sent). `paused`: the stream goes silent while requests still come (a stuck publisher)."""
+
+    def __init__(self, port: int, replay_port: int, block_size: int) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1.core import kv_cache_utils
+
+        kv_cache_utils.init_none_hash(sha256_cbor)
+        self.block_size = block_size
+        self.paused = False
+        self.endpoint, self.replay_endpoint = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+        self._publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}")
+
+    def stored(self, prompt: list[int]) -> None:
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1.core import kv_cache_utils
+
+        size, parent, hashes = self.block_size, None, []
+        for start in range(0, len(prompt) // size * size, size):
+            parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, prompt[start : start + size])
+            hashes.append(kv_cache_utils.maybe_convert_block_hash(parent))
+        if hashes and not self.paused:
+            event = BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=prompt[: len(hashes) * size],
+                block_size=size,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+
+    def close(self) -> None:
+        self._publisher.shutdown()
+
+
 @dataclass
 class EngineSim:
     model: str = "tiny"
@@ -91,10 +136,23 @@ class EngineSim:
     # scripted output is derived from it, and the output permuted, so only a gateway that
     # obfuscates with the same secret gets the text it would get without obfuscation.
     obfuscation: ObfuscationProvider | None = None
+    running: int = 0  # generate requests in progress (until their last byte is sent)
+    # What other gateways' requests add to /metrics: (running, waiting, kv_usage 0..1). The
+    # simulator holds no KV cache of its own: its usage is this figure alone.
+    external_load: tuple[int, int, float] = (0, 0, 0.0)
+    metrics_status: int = 200  # anything else: /metrics fails with it
+    kv_blocks: int = 1000  # the KV cache /metrics reports: kv_blocks × block_size tokens
+    block_size: int = 128  # a CPU engine's (and pools[].block_size's default)
+    kv_events: SimKvEvents | None = None  # `publish_kv_events`: what --kv-events-config publishes
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def publish_kv_events(self, port: int, replay_port: int) -> SimKvEvents:
+        """From now on, announce each prompt's full blocks as a vLLM engine does."""
+        self.kv_events = SimKvEvents(port, replay_port, self.block_size)
+        return self.kv_events
 
     # -- scripted output ----------------------------------------------------------------
 
@@ -161,6 +219,8 @@ class EngineSim:
         )
         n = int(params.get("n", 1))  # choice c > 0 is scripted from the prompt and c
         prompt = body["token_ids"]
+        if self.kv_events is not None:
+            self.kv_events.stored(prompt)
         if self.obfuscation is not None:
             prompt = self.obfuscation.deobfuscate(prompt)
         outputs = [(self.tokens or self.script(prompt + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)]
@@ -363,8 +423,31 @@ class EngineSim:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
+    async def metrics(self, request: Request) -> Response:
+        """vLLM 0.32's exposition of what load balancing reads (one engine core), recorded."""
+        await self._record(request)
+        if self.metrics_status != 200:
+            return _error(self.metrics_status, "simulated metrics failure", "EngineError")
+        running, waiting, kv_usage = self.external_load
+        labels = f'engine="0",model_name="{self.model}"'
+        cache = f'block_size="{self.block_size}",cache_dtype="auto",engine="0",num_gpu_blocks="{self.kv_blocks}"'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(self.running + running)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}",
+            "# TYPE vllm:num_requests_waiting_by_reason gauge",
+            f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {float(waiting)}',
+            f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0',
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {float(kv_usage)}",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{{cache},num_gpu_blocks_override="None"}} 1.0',
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def other(self, request: Request) -> Response:
-        """Every other engine route (abort, tokenize, metrics, scale_elastic_ep, ...): recorded,
+        """Every other engine route (abort, tokenize, scale_elastic_ep, ...): recorded,
         so a test can prove none was reached; scale_elastic_ep fails like a real engine's."""
         await self._record(request)
         if request.url.path == "/scale_elastic_ep":
@@ -379,15 +462,18 @@ class EngineSim:
                 [{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received]
             )
         update = await request.json()
-        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason", "pad_bytes"):
+        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason", "pad_bytes", "metrics_status"):
             if key in update:
                 setattr(self, key, update[key])
+        if "external_load" in update:
+            running, waiting, kv_usage = update["external_load"]
+            self.external_load = (running, waiting, kv_usage)
         if "fault" in update:
             self.fault = Fault(**update["fault"]) if update["fault"] else None
         return JSONResponse({"ok": True})
 
-    def app(self) -> Starlette:
-        return Starlette(
+    def app(self) -> ASGIApp:
+        routes = Starlette(
             routes=[
                 Route("/inference/v1/generate", self.generate, methods=["POST"]),
                 Route("/v1/chat/completions", self.native, methods=["POST"]),
@@ -395,9 +481,21 @@ class EngineSim:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/sim/control", self.control, methods=["GET", "POST"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/{path:path}", self.other, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
             ]
         )
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            # around the whole exchange, so a stream counts as running until its last byte
+            generate = scope["type"] == "http" and scope["path"] == "/inference/v1/generate"
+            self.running += generate
+            try:
+                await routes(scope, receive, send)
+            finally:
+                self.running -= generate
+
+        return app
 
     def generate_requests(self) -> list[Received]:
         return [r for r in self.received if r.path == "/inference/v1/generate"]
@@ -442,6 +540,12 @@ class SimServer(ThreadedServer):
         super().start()
         self.sim.port = self.port
         return self
+
+    def close(self) -> None:
+        """Stop for good: its KV event publisher too."""
+        self.stop()
+        if self.sim.kv_events is not None:
+            self.sim.kv_events.close()
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ from scheduler import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Sche
 
 log = logging.getLogger("tito.kv_events")
 END_SEQ = -1
+WATCH_MS = 500  # how often a silent stream is checked for lag
 _LOW_64 = (1 << 64) - 1
 
 
@@ -39,7 +41,7 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
     for event in batch[1] if isinstance(batch, list) and len(batch) > 1 else ():
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "BlockStored":
-            events.append(BlockStored(tuple(_hash(h) for h in event["block_hashes"])))
+            events.append(BlockStored(tuple(_hash(h) for h in event["block_hashes"]), event.get("block_size") or 0))
         elif kind == "BlockRemoved":
             events.append(BlockRemoved(tuple(_hash(h) for h in event["block_hashes"])))
         elif kind == "AllBlocksCleared":
@@ -53,10 +55,20 @@ def _hash(value: Any) -> int:
 
 
 class KvEventSubscriber:
-    def __init__(self, address: str, endpoint: KvEventsEndpoint, scheduler: Scheduler, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        endpoint: KvEventsEndpoint,
+        scheduler: Scheduler,
+        block_size: int,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.address = address
         self._endpoint = endpoint
         self._scheduler = scheduler
+        self._block_size = block_size
+        self._mismatch_logged = False
+        self._fed = True  # what the last _watch saw
         self._timeout_ms = int(timeout_s * 1000)
         self._context = zmq.asyncio.Context.instance()
         self.last_seq = END_SEQ
@@ -81,14 +93,31 @@ class KvEventSubscriber:
             self._scheduler.feeds.subscribed(self.address, live=True)
             log.info("KV events of %s: subscribed (replayed up to seq %d)", self.address, self.last_seq)
             while True:
-                _, seq_bytes, payload = await sub.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq > self.last_seq + 1:  # missed some: the replay buffer has them
-                    await self._replay(self.last_seq + 1)
-                if seq > self.last_seq:
-                    self._apply(seq, payload)
+                if await sub.poll(WATCH_MS):
+                    _, seq_bytes, payload = await sub.recv_multipart()
+                    seq = int.from_bytes(seq_bytes, "big", signed=True)
+                    if seq > self.last_seq + 1:  # missed some: the replay buffer has them
+                        await self._replay(self.last_seq + 1)
+                    if seq > self.last_seq:
+                        self._apply(seq, payload)
+                self._watch()
         finally:
             sub.close()
+
+    def _watch(self) -> None:
+        """Log when the instance's stream starts lagging (its requests are recorded at routing
+        time meanwhile: /debug/state says `routing`) and when events catch up again."""
+        fed = self._scheduler.feeds.event_fed(self.address, time.monotonic())  # the planner's clock
+        if fed != self._fed:
+            self._fed = fed
+            if fed:
+                log.info("KV events of %s: flowing again; the index follows the engine", self.address)
+            else:
+                log.warning(
+                    "KV events of %s: no event %g s after a request was sent; routing-time records meanwhile",
+                    self.address,
+                    self._scheduler.feeds.lag_s,
+                )
 
     async def _replay(self, start: int) -> None:
         dealer = self._context.socket(zmq.DEALER)
@@ -109,5 +138,20 @@ class KvEventSubscriber:
             dealer.close()
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        self._scheduler.kv_events(self.address, decode_batch(payload))
+        events = decode_batch(payload)
+        self._check_block_size(events)
+        self._scheduler.kv_events(self.address, events)
         self.last_seq = seq
+
+    def _check_block_size(self, events: list[KvEvent]) -> None:
+        """Blocks of another size never match the gateway's hashes: say so once, loudly."""
+        sizes = {e.block_size for e in events if isinstance(e, BlockStored)} - {0, self._block_size}
+        if sizes and not self._mismatch_logged:
+            self._mismatch_logged = True
+            log.error(
+                "KV events of %s: the engine's blocks hold %s tokens, pools[].block_size says %d;"
+                " no prompt can match them (set block_size to the engine's)",
+                self.address,
+                sorted(sizes)[0],
+                self._block_size,
+            )

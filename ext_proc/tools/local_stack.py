@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
+from ext_proc.config import InstanceConfig, KvEventsEndpoint, PoolConfig, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.tiny_model import ensure_tiny_model
@@ -80,11 +80,42 @@ class ManagedProcess:
             return ""
 
 
+def _with_kv_events(config: TitoConfig) -> list[PoolConfig]:
+    """Every instance without `kv_events` publishes on the next `local.kv_events_port` pair,
+    when the prefix index is fed by events."""
+    if config.scheduler.prefix_source != "kv_events":
+        return config.pools
+    ports = iter(range(config.local.kv_events_port, 65536, 2))
+
+    def instance(i: InstanceConfig) -> InstanceConfig:
+        if i.kv_events is not None:
+            return i
+        port = next(ports)
+        endpoint = KvEventsEndpoint(endpoint=f"tcp://{i.host}:{port}", replay_endpoint=f"tcp://{i.host}:{port + 1}")
+        return i.model_copy(update={"kv_events": endpoint})
+
+    return [p.model_copy(update={"instances": [instance(i) for i in p.instances]}) for p in config.pools]
+
+
 def _http_ready(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _envoy_ready(admin_port: int) -> bool:
+    """Envoy is live and has seen every processor worker pass its health check (a worker it
+    has not checked yet gets no stream: with two workers, all would go to one)."""
+    admin = f"http://127.0.0.1:{admin_port}"
+    if not _http_ready(admin + "/ready"):
+        return False
+    try:
+        clusters = httpx.get(admin + "/clusters", timeout=2, trust_env=False).text
+    except httpx.HTTPError:
+        return False
+    flags = [line for line in clusters.splitlines() if line.startswith("ext_proc::") and "::health_flags::" in line]
+    return bool(flags) and all(line.endswith("::healthy") for line in flags)
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -101,8 +132,10 @@ class LocalStack:
         work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
         self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
-        # Every process (and the processor's local tokenizer) reads the same model.
-        self.config = config.model_copy(update={"model": config.model.model_copy(update={"path": self.model_path})})
+        # Every process (and the processor's local tokenizer) reads the same model; the
+        # processor subscribes to the KV cache events the engines are started to publish.
+        model = config.model.model_copy(update={"path": self.model_path})
+        self.config = config.model_copy(update={"model": model, "pools": _with_kv_events(config)})
 
     @property
     def base_url(self) -> str:
@@ -137,6 +170,7 @@ class LocalStack:
                 pool.kv_connector,
                 str(kv_dir),
                 instance.kv_events,
+                pool.block_size,
             )
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
@@ -166,8 +200,10 @@ class LocalStack:
     def wait_ready(self) -> None:
         checks: dict[str, Callable[[], bool]] = {
             "render": lambda: _http_ready(self.config.render_config.endpoint.url + "/health"),
-            "processor": lambda: _port_open(self.config.processor.host, self.config.processor.port),
-            "envoy": lambda: _http_ready(f"http://127.0.0.1:{self.config.listener.admin_port}/ready"),
+            "processor": lambda: all(
+                _port_open(self.config.processor.host, port) for port, _ in self.config.processor.worker_ports()
+            ),
+            "envoy": lambda: _envoy_ready(self.config.listener.admin_port),
         }
         for name, _, instance in self.engines():
             checks[name] = functools.partial(_http_ready, instance.url + "/health")

@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.conftest import RunningStack, free_port, gateway_config, tito_up
+from tests.conftest import RunningStack
 
 PROMPTS = ["The capital of France is", "一二三四五", "def fibonacci(n):"]
 
@@ -66,25 +65,6 @@ def test_a_batch_through_the_gateway_equals_native_vllm(stack: RunningStack, str
 # -- relay -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_engines(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    work = tmp_path_factory.mktemp("relaystack")
-    pools = [{"name": "union", "role": "union", "instances": [{"port": free_port()}, {"port": free_port()}]}]
-    model = {**stack.config.model.model_dump(), "path": stack.model_path}
-    config = gateway_config(
-        work / "cache",
-        free_port(),
-        [],
-        stack.model_path,
-        pools=pools,
-        model=model,
-        reschedule={"enable": True},
-        scheduler={"policy": "round_robin"},
-    )
-    with tito_up(work, config) as running:
-        yield running
-
-
 def _engine_groups(stack: RunningStack) -> dict[str, int]:
     """The process group of the engine listening on each instance address (looked up before
     the test: scanning every process's sockets takes seconds here)."""
@@ -97,16 +77,16 @@ def _engine_groups(stack: RunningStack) -> dict[str, int]:
     }
 
 
-def _state(stack: RunningStack) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{stack.config.processor.admin_port}/debug/state"
-    state: dict[str, Any] = httpx.get(url, timeout=5, trust_env=False).json()
-    return state
-
-
 def _serving(stack: RunningStack) -> str | None:
-    active = [a for a, i in _state(stack)["scheduler"]["instances"].items() if i["active_requests"]]
+    """The engine with an active request, per every processor worker's ledger."""
+    states = stack.states()
+    active = [a for s in states for a, i in s["scheduler"]["instances"].items() if i["active_requests"]]
     assert len(active) <= 1, active
     return active[0] if active else None
+
+
+def _relays(stack: RunningStack) -> int:
+    return sum(s["relays"] for s in stack.states())
 
 
 @dataclass
@@ -141,18 +121,25 @@ class Reader:
             time.sleep(0.3)
 
 
+SETTLE_S = 4.0
+
+
 def _cut_mid_answer(stack: RunningStack, body: dict[str, Any], attempts: int = 10) -> tuple[str, Reader]:
     """A stream whose engine dies mid-answer: once the client has text, the serving engine is
     stopped (SIGSTOP) and what it already sent drains; if the client's stream has not ended
     then, the rest is frozen inside the engine, and SIGKILL cuts it mid-answer. The engine's
     API server shares two cores with its busy engine core and sometimes sends a whole answer
-    in one burst: such an attempt ends before the engine is stopped and is tried again."""
+    in one burst: such an attempt ends before the engine is stopped and is tried again.
+    Bursts are the rule for an answer started within a second or two of the previous long
+    one's end (measured on this stack: 3 of 4 back to back, 0 of 8 with 3-5 s between), so
+    every attempt starts after the engines have been idle for SETTLE_S."""
     groups = _engine_groups(stack)
     assert len(groups) == 2
     for _ in range(attempts):
         deadline = time.monotonic() + 10
         while _serving(stack) is not None and time.monotonic() < deadline:
             time.sleep(0.05)  # the previous answer (or `tito up`'s smoke request) gave its lease back
+        time.sleep(SETTLE_S)
         reader = Reader(stack.base_url, body)
         assert reader.started.wait(60)
         serving = _serving(stack)
@@ -181,9 +168,9 @@ def test_a_stream_survives_its_engine_dying(two_engines: RunningStack) -> None:
     killed, reader = _cut_mid_answer(two_engines, body)
     assert reader.ended == ["done"]
     deadline = time.monotonic() + 5
-    while _state(two_engines)["relays"] < 1 and time.monotonic() < deadline:
+    while _relays(two_engines) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _state(two_engines)["relays"] == 1
+    assert _relays(two_engines) == 1
     [survivor] = [i.address for i in two_engines.config.pools[0].instances if i.address != killed]
     native = _client("http://" + survivor).completions.create(**body)
     assert "".join(reader.text) == native.choices[0].text

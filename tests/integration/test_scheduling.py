@@ -25,8 +25,9 @@ class Gateways:
         self._stack, self._tmp = stack, tmp
         self._started: list[tuple[SimGateway, list[SimServer]]] = []
 
-    def start(self, n_engines: int, **sections: Any) -> tuple[SimGateway, list[SimServer]]:
-        started = start_sim_gateway(self._stack, self._tmp / f"gw{len(self._started)}", n_engines, **sections)
+    def start(self, n_engines: int, kv_events: bool = False, **sections: Any) -> tuple[SimGateway, list[SimServer]]:
+        work = self._tmp / f"gw{len(self._started)}"
+        started = start_sim_gateway(self._stack, work, n_engines, kv_events=kv_events, **sections)
         self._started.append(started)
         return started
 
@@ -34,7 +35,29 @@ class Gateways:
         for gateway, servers in self._started:
             gateway.gateway.stop()
             for server in servers:
-                server.stop()
+                server.close()
+
+
+def _start_in(gateways: Gateways, prefix_source: str, n_engines: int, policy: str) -> SimGateway:
+    """A gateway whose prefix index is fed by the simulators' KV cache events (vLLM's own
+    publisher and block hash), or by its own routing records; event-fed instances are
+    checked to be so at the start (and by the test, at its end)."""
+    events = prefix_source == "kv_events"
+    scheduler = {"policy": policy, "prefix_source": prefix_source}
+    gateway, _ = gateways.start(n_engines, kv_events=events, scheduler=scheduler)
+    if events:
+        _until_sources(gateway, "kv_events")
+    return gateway
+
+
+def _until_sources(gateway: SimGateway, source: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while {i["prefix_source"] for i in gateway.state()["scheduler"]["instances"].values()} != {source}:
+        assert time.monotonic() < deadline, gateway.state()["scheduler"]["instances"]
+        time.sleep(0.05)
+
+
+PREFIX_SOURCES = pytest.mark.parametrize("prefix_source", ["routing", "kv_events"])
 
 
 @pytest.fixture
@@ -79,8 +102,11 @@ def _render_demand(stack: RunningStack, body: dict[str, Any]) -> int:
     return len(rendered["token_ids"]) + int(body["max_tokens"])
 
 
-async def test_shared_prefix_lands_where_it_was_served_and_new_prefixes_spread(gateways: Gateways) -> None:
-    gateway, _ = gateways.start(4, scheduler={"policy": "kv_cache_affinity"})
+@PREFIX_SOURCES
+async def test_shared_prefix_lands_where_it_was_served_and_new_prefixes_spread(
+    gateways: Gateways, prefix_source: str
+) -> None:
+    gateway = _start_in(gateways, prefix_source, 4, "kv_cache_affinity")
     for sim in gateway.sims:
         sim.token_delay_s = 0.1
     url = gateway.base_url + "/v1/chat/completions"
@@ -98,10 +124,14 @@ async def test_shared_prefix_lands_where_it_was_served_and_new_prefixes_spread(g
         bodies = [_chat(f"Persona {n}: {'x' * 40 * (n + 1)}", "hello", max_tokens=30, stream=True) for n in range(4)]
         await asyncio.gather(*(_stream_all(client, url, b) for b in bodies))
     assert sorted(len(sim.generate_requests()) for sim in gateway.sims) == [1, 1, 1, 1]
+    _until_sources(gateway, prefix_source)  # events did the work, not the fallback
 
 
-async def test_load_balance_keeps_active_tokens_within_one_request(gateways: Gateways, stack: RunningStack) -> None:
-    gateway, _ = gateways.start(4, scheduler={"policy": "load_balance"})
+@PREFIX_SOURCES
+async def test_load_balance_keeps_active_tokens_within_one_request(
+    gateways: Gateways, stack: RunningStack, prefix_source: str
+) -> None:
+    gateway = _start_in(gateways, prefix_source, 4, "load_balance")
     for sim in gateway.sims:
         sim.token_delay_s = 0.1
     bodies = [_chat("short", "tell me" + " more" * n, max_tokens=40, stream=True) for n in range(10)]

@@ -69,3 +69,21 @@ def test_handoff_and_trigger_instances_cannot_share_a_decode_pool() -> None:
     with pytest.raises(ValidationError, match="cannot be mixed"):
         load_config(env={"TITO__POOLS": pools})
     load_config(env={"TITO__POOLS": pools.replace("{port: 2}", "{port: 2, capabilities: [concurrent_engine_sync]}")})
+
+
+def test_each_worker_takes_the_next_port_pair() -> None:
+    processor = load_config(env={"TITO__PROCESSOR__WORKERS": "3"}).processor
+    assert processor.worker_ports() == [(9002, 9003), (9004, 9005), (9006, 9007)]
+    second = processor.for_worker(1)
+    assert (second.port, second.admin_port, second.worker_index) == (9004, 9005, 1)
+    assert second.worker_ports() == processor.worker_ports()  # every worker sees the same set
+    with pytest.raises(ValidationError, match="9004"):  # worker 1's gRPC port would be worker 0's admin port
+        load_config(env={"TITO__PROCESSOR__WORKERS": "2", "TITO__PROCESSOR__ADMIN_PORT": "9004"})
+
+
+def test_admission_budgets_are_split_between_every_processor_process() -> None:
+    env = {"TITO__ADMISSION__GLOBAL_TOKEN_BUDGET": "10001", "TITO__ADMISSION__INSTANCE_TOKEN_BUDGET": "3000"}
+    assert load_config(env=env).process_token_budgets == (10001, 3000)
+    split = load_config(env={**env, "TITO__PROCESSOR__WORKERS": "2", "TITO__ADMISSION__REPLICAS": "3"})
+    assert split.process_token_budgets == (1666, 500)  # 6 processes: their shares never exceed the budget
+    assert load_config(env={"TITO__PROCESSOR__WORKERS": "2"}).process_token_budgets == (None, None)

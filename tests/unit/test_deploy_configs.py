@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import yaml
 from ext_proc.config import TitoConfig, load_config
 from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
 from ext_proc.tools.tiny_model import FORMAT_VERSION
+from render_sidecar.launch import engine_command
 from tests.conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +39,21 @@ def _validate(envoy_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_generated_bootstrap_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
-    env = {"TITO__POOLS": "[{name: union, instances: [{port: 8200}, {port: 8201}, {host: 10.1.2.3, port: 8000}]}]"}
+    env = {
+        "TITO__POOLS": "[{name: union, instances: [{port: 8200}, {port: 8201}, {host: 10.1.2.3, port: 8000}]}]",
+        "TITO__PROCESSOR__WORKERS": "2",
+    }
     path = write_bootstrap(load_config(env=env), tmp_path / "envoy.yaml")
     result = _validate(envoy_bin, path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+    # Envoy balances streams over every processor worker and health-checks each one's admin port.
+    (cluster,) = [
+        c for c in yaml.safe_load(path.read_text())["static_resources"]["clusters"] if c["name"] == "ext_proc"
+    ]
+    endpoints = [e["endpoint"] for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    ports = [(e["address"]["socket_address"]["port_value"], e["health_check_config"]["port_value"]) for e in endpoints]
+    assert ports == [(9002, 9003), (9004, 9005)] and cluster["lb_policy"] == "ROUND_ROBIN"
 
 
 def test_bootstrap_has_the_measured_settings() -> None:
@@ -117,6 +129,35 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
         assert f"--model={config.model.path}" in services[name]["command"]
 
 
+def _kv_event_endpoints(config: TitoConfig) -> list[str]:
+    (instance,) = [i for p in config.pools for i in p.instances]
+    assert instance.kv_events is not None
+    return [instance.kv_events.endpoint, instance.kv_events.replay_endpoint]
+
+
+def _assert_publishes_kv_events(args: list[str], config: TitoConfig) -> None:
+    """The engine's flags are what `tito up` gives an engine of this config: its block size,
+    the hash the processor recomputes, and events on the ports the processor subscribes to."""
+    (pool,) = config.pools
+    (instance,) = pool.instances
+    assert instance.kv_events is not None
+    expected = engine_command(
+        config.model, "m", instance.host, instance.port, kv_events=instance.kv_events, block_size=pool.block_size
+    )
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args if "=" in a)
+    assert flags["block-size"] == expected[expected.index("--block-size") + 1]
+    assert flags["prefix-caching-hash-algo"] == "sha256_cbor"
+    events = json.loads(expected[expected.index("--kv-events-config") + 1])
+    assert json.loads(flags["kv-events-config"]) == events
+
+
+def test_compose_engine_publishes_the_kv_events_the_processor_subscribes_to() -> None:
+    config = load_config(ROOT / "tito.compose.yaml", env={})
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    _assert_publishes_kv_events(services["engine"]["command"], config)
+    assert config.scheduler.prefix_source == "kv_events"
+
+
 def test_tracing_is_opt_in_and_reaches_the_tracing_profile() -> None:
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     assert {name for name, s in services.items() if "profiles" in s} == {"jaeger"}
@@ -188,15 +229,16 @@ def _port(container: dict[str, Any], ref: int | str) -> int:
     return int(next(p["containerPort"] for p in container["ports"] if p["name"] == ref))
 
 
-def _backend_port(service: dict[str, Any]) -> int:
-    """The container port a one-port Service reaches, through its selector and targetPort."""
+def _backend_port(service: dict[str, Any], name: str | None = None) -> int:
+    """The container port a Service's port (its only one, or the one named) reaches, through
+    its selector and targetPort."""
     selector = service["spec"]["selector"].items()
     (deployment,) = [
         d
         for d in _all_documents()
         if d["kind"] == "Deployment" and selector <= d["spec"]["template"]["metadata"]["labels"].items()
     ]
-    (port,) = service["spec"]["ports"]
+    (port,) = [p for p in service["spec"]["ports"] if name in (None, p["name"])]
     target = port["targetPort"]
     (backend,) = [
         p["containerPort"]
@@ -319,15 +361,18 @@ def test_gateway_pod_outlives_the_processor_drain(tmp_path: Path) -> None:
 def test_engines_are_the_engine_service(tmp_path: Path) -> None:
     config = _cluster_config(tmp_path)
     service = _object("Service", "vllm-engine")
-    (port,) = service["spec"]["ports"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
     # Envoy's STATIC engine cluster takes addresses: the Service's pinned clusterIP
     assert [(i.host, i.port) for p in config.pools for i in p.instances] == [
         (service["spec"]["clusterIP"], port["port"])
     ]
     engines = _object("Deployment", "vllm-engine")
     engine = _container(engines, "engine")
-    assert f"--port={_backend_port(service)}" in engine["args"]
+    assert f"--port={_backend_port(service, 'http')}" in engine["args"]
     assert "--enable-scale-out" in engine["args"]
+    _assert_publishes_kv_events(engine["args"], config)
+    published = {p["port"] for p in service["spec"]["ports"]}
+    assert {int(e.rsplit(":", 1)[1]) for e in _kv_event_endpoints(config)} <= published
     render = _container(_object("Deployment", "tito-gateway"), "render")
     model_flags = [
         f"--model={config.model.path}",
@@ -396,7 +441,7 @@ def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) ->
     rendered = [r.path for r in config.listener.routes if r.handler in ("chat", "completions")]
     assert sorted(m["uri"]["exact"] for m in route["match"]) == sorted(rendered)
     engine = _object("Service", "vllm-engine")
-    (port,) = engine["spec"]["ports"]
+    (port,) = [p for p in engine["spec"]["ports"] if p["name"] == "http"]
     (destination,) = route["route"]
     assert destination["destination"] == {
         "host": f"{engine['metadata']['name']}.{engine['metadata']['namespace']}.svc.cluster.local",

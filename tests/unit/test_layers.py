@@ -29,7 +29,7 @@ LAYERS = [
     {"ext_proc.legs"},
     {"ext_proc.services"},
     {"ext_proc.envoy_protocol"},
-    {"ext_proc.server", "ext_proc.admin"},
+    {"ext_proc.server", "ext_proc.admin", "ext_proc.workers"},
     {"ext_proc.tools", "ext_proc.cli"},
 ]
 

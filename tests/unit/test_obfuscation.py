@@ -122,7 +122,7 @@ def test_the_codec_comes_from_the_config_with_the_models_vocab_and_added_tokens(
 
 
 def test_the_prefix_index_is_keyed_on_physical_ids() -> None:
-    config = TitoConfig.model_validate({"scheduler": {"policy": "kv_cache_affinity"}})
+    config = TitoConfig.model_validate({"scheduler": {"policy": "kv_cache_affinity"}, "pools": [{"block_size": 16}]})
     planner = Planner(config, None, build_scheduler(config))  # type: ignore[arg-type]
     semantic = list(range(100, 164))
     rendered = {"token_ids": semantic, "sampling_params": {"max_tokens": 4}, "request_id": "cmpl-1"}
