@@ -9,8 +9,16 @@ are done; the clients count the SSE chunks they receive (all `data:` events but 
 /proc gives the CPU seconds every process used meanwhile. Chunks per processor-CPU-second is
 the "chunks/s per processor process" figure, printed against the target of 10,000.
 
+Scale-out (`--workers 1 2`): the same load against the processor run as 1 and as 2 worker
+processes (`processor.workers`; Envoy balances streams over them), render sidecar and simulator
+kept, processor and Envoy restarted for every run. Runs alternate ABBA (1 2 2 1 ...,
+`--rounds`) so drift of the machine weighs on both counts alike; per count the median of its
+runs. Printed: requests/s and client chunks/s (wall clock), processor CPU seconds (the
+supervisor's process group: every worker), chunks per processor-CPU-second, where the CPU went
+(every process group), and the ratio N workers / the fewest against the target of 1.7x.
+
 Run: `python -m tests.bench.processor_bench [--derender in_process|sidecar] [--concurrency 16]
-[--requests 64] [--max-tokens 512]` (from the repository root).
+[--requests 64] [--max-tokens 512] [--workers 1 2 [--rounds 2]]` (from the repository root).
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +50,8 @@ from tests.bench.gateway_bench import PARSERS, free_port, machine_summary
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET_CHUNKS_PER_CPU_S = 10_000
+TARGET_SCALE_OUT = 1.7  # requests/s and chunks/s of 2 workers over 1 (the scale-out issue)
+OUTSIDE_NOISE = 0.10  # other processes' CPU during a run, share of one core, worth a warning
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 REASONING = "Let me think step by step. The user asks about the weather in Paris, so I should call the tool. "
@@ -77,10 +90,12 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on; comm may hold spaces
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """utime + stime of every live process in process group `pgid` (a LocalStack process and
-    its children: each runs in its own session)."""
-    ticks = 0
+def group_cpu_by_pid(pgid: int) -> dict[int, float]:
+    """CPU seconds of every live process in process group `pgid`: its own utime + stime (all its
+    threads) plus cutime + cstime (children it reaped, e.g. a processor worker that died and was
+    restarted meanwhile). A LocalStack process runs in a session of its own, and what it starts
+    without a new session stays in its group: the processor supervisor's workers, vLLM's children."""
+    ticks: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -89,8 +104,36 @@ def group_cpu_seconds(pgid: int) -> float:
         except (OSError, ValueError):
             continue  # gone meanwhile
         if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLOCK_TICKS
+            ticks[int(entry.name)] = sum(int(f) for f in fields[11:15]) / CLOCK_TICKS
+    return ticks
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every live process in process group `pgid` (and of the children they reaped)."""
+    return sum(group_cpu_by_pid(pgid).values())
+
+
+def process_label(pid: int, leader: int, workers: int) -> str:
+    """`supervisor` (the group's leader; `processor` when it serves alone) or `worker i` (from
+    its `--worker i` argument)."""
+    if pid == leader:
+        return "supervisor" if workers > 1 else "processor"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    if b"--worker" in argv[:-1]:
+        return f"worker {argv[argv.index(b'--worker') + 1].decode()}"
+    return f"pid {pid}"
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot, every core (/proc/stat: all but idle and iowait)."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICKS
 
 
 def own_cpu_seconds() -> float:
@@ -177,9 +220,16 @@ class Result:
     wall_s: float
     chunks: int
     tokens: int
-    cpu_s: dict[str, float]
+    cpu_s: dict[str, float]  # per process group (and the load generator, this process)
     errors: list[str]
-    loop_lag: dict[str, Any]  # the processor's own /debug/state after the run
+    loop_lags: list[dict[str, Any]]  # every worker's own /debug/state after the run
+    workers: int = 1
+    processor_cpu_s: dict[str, float] = field(default_factory=dict)  # supervisor, worker 0, ...
+    machine_cpu_s: float = float("nan")  # busy CPU of the whole machine meanwhile, ours and others'
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s
 
     @property
     def chunks_per_s(self) -> float:
@@ -196,16 +246,35 @@ class Result:
         cpu = self.cpu_s["processor"]
         return self.tokens / cpu if cpu > 0 else float("nan")
 
+    @property
+    def machine_busy(self) -> float:
+        """CPU seconds of the benchmark's processes over what the machine's cores could give in the run."""
+        return sum(self.cpu_s.values()) / (self.wall_s * CORES)
+
+    @property
+    def outside_cpu_s(self) -> float:
+        """Busy CPU of processes outside the benchmark meanwhile (other work on the machine)."""
+        return max(0.0, self.machine_cpu_s - sum(self.cpu_s.values()))
+
     def report(self) -> str:
+        workers = f", {self.workers} processor workers" if self.workers > 1 else ""
         lines = [
-            f"processor-only throughput: derender {self.derender}, qwen3 + hermes parsers, {self.concurrency} "
-            f"concurrent streams, {self.requests} requests x {self.max_tokens} tokens (engine simulator, no delays)",
+            f"processor-only throughput: derender {self.derender}, qwen3 + hermes parsers{workers}, "
+            f"{self.concurrency} concurrent streams, {self.requests} requests x {self.max_tokens} tokens "
+            "(engine simulator, no delays)",
             f"clients received {self.chunks} chunks ({self.tokens} tokens) in {self.wall_s:.2f} s: "
-            f"{self.chunks_per_s:.0f} chunks/s",
+            f"{self.chunks_per_s:.0f} chunks/s, {self.requests_per_s:.1f} requests/s",
             "CPU seconds during the run (share of one core):",
         ]
         for name, cpu in self.cpu_s.items():
             lines.append(f"  {name:<15}{cpu:>8.2f} s  {cpu / self.wall_s:>6.0%}")
+            if name == "processor" and len(self.processor_cpu_s) > 1:
+                for process, own in self.processor_cpu_s.items():
+                    lines.append(f"    {process:<13}{own:>8.2f} s  {own / self.wall_s:>6.0%}")
+        lines.append(
+            f"  all of these: {self.machine_busy:.0%} of the machine's {CORES} cores; other processes on the "
+            f"machine meanwhile: {self.outside_cpu_s:.2f} s ({self.outside_cpu_s / self.wall_s:.0%} of one core)"
+        )
         target = TARGET_CHUNKS_PER_CPU_S
         per_cpu = self.chunks_per_processor_cpu_s
         engine_per_cpu = self.engine_chunks_per_processor_cpu_s
@@ -219,31 +288,66 @@ class Result:
             f"engine chunks per client chunk, coalesced when they queue up); target {target:,}: "
             f"{engine_per_cpu / target:.2f}x"
         )
-        lag = self.loop_lag
-        lines.append(
-            f"processor event loop lag (a 50 ms timer, last minute): p99 {lag.get('p99_ms')} ms, "
-            f"max {lag.get('max_ms')} ms: how long any stream may wait behind the others' work"
-        )
+        for n, lag in enumerate(self.loop_lags):
+            which = f" (worker {n})" if len(self.loop_lags) > 1 else ""
+            lines.append(
+                f"processor event loop lag{which} (a 50 ms timer, last minute): p99 {lag.get('p99_ms')} ms, "
+                f"max {lag.get('max_ms')} ms: how long any stream may wait behind the others' work"
+            )
         lines += [f"error: {e}" for e in self.errors[:5]]
         if len(self.errors) > 5:
             lines.append(f"... {len(self.errors)} errors in all")
         return "\n".join(lines)
 
 
+CORES = len(os.sched_getaffinity(0))
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    for _ in range(200):
+        first = free_port()
+        if first + count <= 65536 and all(_bindable(port) for port in range(first + 1, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def processor_ports(workers: int | None) -> dict[str, int]:
+    """`processor` config for `workers` workers (None: the config's default, as before): worker i
+    serves gRPC on port + 2i and admin on admin_port + 2i, so one run of 2N free ports,
+    gRPC on the even offsets and admin on the odd ones."""
+    if workers is None:
+        return {"port": free_port(), "admin_port": free_port()}
+    first = free_port_run(2 * workers)
+    return {"port": first, "admin_port": first + 1, "workers": workers}
+
+
 class SimGatewayStack:
     """Render sidecar + engine simulator (processes) + processor + Envoy, on free ports."""
 
-    def __init__(self, work_dir: Path, model_path: Path, derender: str) -> None:
+    def __init__(self, work_dir: Path, model_path: Path, derender: str, workers: int | None = None) -> None:
         self.sim_port = free_port()
         config = TitoConfig.model_validate(
             {
                 "listener": {"port": free_port(), "admin_port": free_port()},
-                "processor": {"port": free_port(), "admin_port": free_port()},
+                "processor": processor_ports(workers),
                 "render_config": {"endpoint": {"port": free_port()}},
                 "derender": {"mode": derender},
                 "model": {"path": str(model_path), **PARSERS},
                 "pools": [{"instances": [{"port": self.sim_port}]}],
-                "local": {"cache_dir": str(work_dir)},
+                # The processor subscribes to the simulator's KV cache events (scheduler.prefix_source
+                # kv_events by default), which it never publishes: a free port, not vLLM's 5557,
+                # so no other stack on this machine feeds it.
+                "local": {"cache_dir": str(work_dir), "kv_events_port": free_port()},
             }
         )
         self.stack = LocalStack(config, work_dir)
@@ -268,6 +372,25 @@ class SimGatewayStack:
             self.stack.start_gateway()
             self.stack.wait_ready()  # render, processor, Envoy
             self._wait_sim()
+        except BaseException:
+            self.stack.stop()
+            raise
+
+    def restart_gateway(self, workers: int) -> None:
+        """Processor (with `workers` workers) and Envoy anew, on new ports; the render sidecar
+        and the simulator keep running."""
+        for name in ("envoy", "processor"):
+            process = self.stack.processes.pop(name, None)
+            if process is not None:
+                process.stop()
+        dumped = self.stack.config.model_dump()
+        listener = {**dumped["listener"], "port": free_port(), "admin_port": free_port()}
+        processor = {**dumped["processor"], **processor_ports(workers)}
+        self.stack.config = TitoConfig.model_validate({**dumped, "listener": listener, "processor": processor})
+        self.config = self.stack.config
+        try:
+            self.stack.start_gateway()
+            self.stack.wait_ready()
         except BaseException:
             self.stack.stop()
             raise
@@ -307,18 +430,137 @@ class SimGatewayStack:
 def run(gateway: SimGatewayStack, concurrency: int, requests: int, max_tokens: int, derender: str) -> Result:
     gateway.script(scripted_tokens(Path(gateway.stack.model_path), max_tokens))
     base_url = gateway.stack.base_url
-    asyncio.run(drive(base_url, min(concurrency, 2), 2, max_tokens, first_index=1_000_000))  # warm-up
+    workers = gateway.config.processor.workers
+    # warm-up: a couple of streams per worker (Envoy gives each new stream to the least busy one)
+    asyncio.run(drive(base_url, min(concurrency, 2 * workers), 2 * workers, max_tokens, first_index=1_000_000))
     pids = gateway.pids()
-    before = {label: group_cpu_seconds(pid) for label, pid in pids.items()}
-    own_before = own_cpu_seconds()
+    before = {label: group_cpu_by_pid(pid) for label, pid in pids.items()}
+    own_before, machine_before = own_cpu_seconds(), machine_cpu_seconds()
     start = time.perf_counter()
     load = asyncio.run(drive(base_url, concurrency, requests, max_tokens))
     wall = time.perf_counter() - start
-    cpu = {label: group_cpu_seconds(pid) - before[label] for label, pid in pids.items()}
+    machine = machine_cpu_seconds() - machine_before
+    after = {label: group_cpu_by_pid(pid) for label, pid in pids.items()}
+    cpu = {label: sum(after[label].values()) - sum(before[label].values()) for label in pids}
     cpu["load generator"] = own_cpu_seconds() - own_before
-    admin = f"http://127.0.0.1:{gateway.stack.config.processor.admin_port}/debug/state"
-    lag: dict[str, Any] = httpx.get(admin, timeout=5, trust_env=False).json().get("event_loop_lag", {})
-    return Result(derender, concurrency, requests, max_tokens, wall, load.chunks, load.tokens, cpu, load.errors, lag)
+    leader = pids["processor"]
+    by_process = {
+        process_label(pid, leader, workers): seconds - before["processor"].get(pid, 0.0)
+        for pid, seconds in sorted(after["processor"].items())
+    }
+    if workers > 1 and sum(name.startswith("worker ") for name in by_process) != workers:
+        raise RuntimeError(f"processor process group {leader}: {sorted(by_process)}, expected {workers} workers")
+    lags: list[dict[str, Any]] = [
+        httpx.get(f"http://127.0.0.1:{admin}/debug/state", timeout=5, trust_env=False).json().get("event_loop_lag", {})
+        for _, admin in gateway.config.processor.worker_ports()
+    ]
+    return Result(
+        derender,
+        concurrency,
+        requests,
+        max_tokens,
+        wall,
+        load.chunks,
+        load.tokens,
+        cpu,
+        load.errors,
+        lags,
+        workers,
+        by_process,
+        machine,
+    )
+
+
+# -- scale-out: 1 vs N processor workers ---------------------------------------------------
+
+
+def abba(counts: list[int], rounds: int) -> list[int]:
+    """Worker counts in run order: as given, then reversed, and so on (1 2 2 1 1 2 ...)."""
+    return [n for r in range(rounds) for n in (counts if r % 2 == 0 else counts[::-1])]
+
+
+def scale_out_report(results: list[Result]) -> str:
+    """Every run, then per worker count the median of its runs, and the ratios to the fewest workers."""
+    first = results[0]
+    lines = [
+        f"processor scale-out: derender {first.derender}, qwen3 + hermes parsers, {first.concurrency} concurrent "
+        f"streams, {first.requests} requests x {first.max_tokens} tokens per run (engine simulator, no delays); "
+        f"run order {' '.join(str(r.workers) for r in results)} (ABBA)",
+        "",
+        "CPU per process group as a share of one core (the machine has "
+        f"{CORES}: {CORES * 100}% is all of it); proc CPU = the supervisor's group, every worker; "
+        "outside = every other process on the machine meanwhile (/proc/stat)",
+    ]
+    header = (
+        f"{'run':>3} {'workers':>7} {'wall s':>7} {'req/s':>7} {'chunks/s':>9} {'proc CPU s':>10} "
+        f"{'chunks/proc-CPU-s':>17} {'processor':>9} {'envoy':>6} {'render':>6} {'sim':>5} {'loadgen':>7} "
+        f"{'outside':>7} {'ours/all cores':>14}  per process (CPU s)"
+    )
+    lines.append(header)
+    for n, r in enumerate(results):
+        share = {name: cpu / r.wall_s for name, cpu in r.cpu_s.items()}
+        split = " ".join(f"{name}={cpu:.2f}" for name, cpu in r.processor_cpu_s.items())
+        lines.append(
+            f"{n + 1:>3} {r.workers:>7} {r.wall_s:>7.2f} {r.requests_per_s:>7.2f} {r.chunks_per_s:>9.0f} "
+            f"{r.cpu_s['processor']:>10.2f} {r.chunks_per_processor_cpu_s:>17.0f} {share['processor']:>9.0%} "
+            f"{share['envoy']:>6.0%} {share['render sidecar']:>6.0%} {share['simulator']:>5.0%} "
+            f"{share['load generator']:>7.0%} {r.outside_cpu_s / r.wall_s:>7.0%} {r.machine_busy:>14.0%}  {split}"
+        )
+    by_count: dict[int, list[Result]] = {}
+    for r in results:
+        by_count.setdefault(r.workers, []).append(r)
+
+    def median(runs: list[Result], value: Callable[[Result], float]) -> float:
+        return statistics.median(value(r) for r in runs)
+
+    lines += ["", "median per worker count:"]
+    lines.append(
+        f"{'workers':>7} {'runs':>4} {'req/s':>7} {'chunks/s':>9} {'proc CPU s':>10} {'chunks/proc-CPU-s':>17} "
+        f"{'CPU s/request: processor':>24} {'others':>7} {'ours/all cores':>14} {'outside':>7}"
+    )
+    medians: dict[int, tuple[float, float]] = {}
+    for count, runs in sorted(by_count.items()):
+        rps = median(runs, lambda r: r.requests_per_s)
+        cps = median(runs, lambda r: r.chunks_per_s)
+        medians[count] = (rps, cps)
+        proc_per_request = median(runs, lambda r: r.cpu_s["processor"] / r.requests)
+        others_per_request = median(runs, lambda r: (sum(r.cpu_s.values()) - r.cpu_s["processor"]) / r.requests)
+        lines.append(
+            f"{count:>7} {len(runs):>4} {rps:>7.2f} {cps:>9.0f} {median(runs, lambda r: r.cpu_s['processor']):>10.2f} "
+            f"{median(runs, lambda r: r.chunks_per_processor_cpu_s):>17.0f} {proc_per_request * 1e3:>21.1f} ms "
+            f"{others_per_request * 1e3:>4.1f} ms {median(runs, lambda r: r.machine_busy):>14.0%} "
+            f"{median(runs, lambda r: r.outside_cpu_s / r.wall_s):>7.0%}"
+        )
+    base = min(by_count)
+    base_rps, base_cps = medians[base]
+    base_runs = by_count[base]
+    proc = median(base_runs, lambda r: r.cpu_s["processor"] / r.requests)
+    everything = median(base_runs, lambda r: sum(r.cpu_s.values()) / r.requests)
+    lines.append("")
+    for count, (rps, cps) in sorted(medians.items()):
+        if count == base:
+            continue
+        # If every request costs what it did with `base` workers, N workers run at most N / proc
+        # requests/s, and the machine at most CORES / everything (load generator included).
+        ceiling = min(count / proc, CORES / everything) / base_rps if proc > 0 and everything > 0 else float("nan")
+        verdict = "met" if min(rps / base_rps, cps / base_cps) >= TARGET_SCALE_OUT else "NOT met"
+        lines.append(
+            f"{count} workers / {base}: requests/s x{rps / base_rps:.2f}, chunks/s x{cps / base_cps:.2f} "
+            f"(target >= {TARGET_SCALE_OUT}x: {verdict}); ceiling on {CORES} cores from the {base}-worker "
+            f"runs' CPU per request (processor {proc * 1e3:.1f} ms, all processes {everything * 1e3:.1f} ms): "
+            f"x{ceiling:.2f}"
+        )
+    busy = [n + 1 for n, r in enumerate(results) if r.outside_cpu_s / r.wall_s > OUTSIDE_NOISE]
+    if busy:
+        lines.append(
+            f"runs {', '.join(map(str, busy))} shared the machine with other work (outside > {OUTSIDE_NOISE:.0%} "
+            "of one core): their numbers, and the ratios, are low by that much; run again on a quiet machine"
+        )
+    errors = [e for r in results for e in r.errors]
+    lines += [f"error: {e}" for e in errors[:5]]
+    if len(errors) > 5:
+        lines.append(f"... {len(errors)} errors in all")
+    return "\n".join(lines)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -331,36 +573,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, help="streams in all (default: 4 * concurrency)")
     parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help="processor worker counts to compare, e.g. 1 2 (default: one run, the config's processor)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --workers: ABBA rounds over the counts")
     parser.add_argument("--cache-dir", default="~/.cache/tito", help="where the tiny model is (generated if missing)")
     parser.add_argument("--work-dir", help="config and logs (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.workers is not None and (min(args.workers) < 1 or args.rounds < 1):
+        parser.error("--workers and --rounds: 1 or more")
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tito-processor-bench-"))
-    gateway = SimGatewayStack(work_dir, ensure_tiny_model(Path(args.cache_dir).expanduser()), args.derender)
+    order = abba(sorted(set(args.workers)), args.rounds) if args.workers else []
+    model_path = ensure_tiny_model(Path(args.cache_dir).expanduser())
+    gateway = SimGatewayStack(work_dir, model_path, args.derender, order[0] if order else None)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     print(f"starting render sidecar, simulator, processor, Envoy (logs in {work_dir / 'logs'}) ...", file=sys.stderr)
+    requests = args.requests or 4 * args.concurrency
+    results: list[Result] = []
     try:
         gateway.start()
-        requests = args.requests or 4 * args.concurrency
-        result = run(gateway, args.concurrency, requests, args.max_tokens, args.derender)
+        if not order:
+            results.append(run(gateway, args.concurrency, requests, args.max_tokens, args.derender))
+        for n, workers in enumerate(order):
+            if n > 0:  # every run on a fresh processor and Envoy, the first one's included
+                gateway.restart_gateway(workers)
+            print(f"run {n + 1}/{len(order)}: {workers} processor worker(s) ...", file=sys.stderr)
+            results.append(run(gateway, args.concurrency, requests, args.max_tokens, args.derender))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
         gateway.stop()
+    errors = any(r.errors for r in results)
     if args.json:
-        summary = {
-            "chunks_per_s": result.chunks_per_s,
-            "chunks_per_processor_cpu_s": result.chunks_per_processor_cpu_s,
-            "engine_chunks_per_processor_cpu_s": result.engine_chunks_per_processor_cpu_s,
-            "target": TARGET_CHUNKS_PER_CPU_S,
-            "machine": machine_summary(),
-        }
-        print(json.dumps(json_safe({**asdict(result), **summary}), indent=2))
-    else:
-        print(result.report())
+        print(json.dumps(json_safe([_summary(r) for r in results] if order else _summary(results[0])), indent=2))
+    elif order:
+        print(scale_out_report(results))
         print(machine_summary())
-    return 1 if result.errors else 0
+    else:
+        print(results[0].report())
+        print(machine_summary())
+    return 1 if errors else 0
+
+
+def _summary(result: Result) -> dict[str, Any]:
+    return {
+        **asdict(result),
+        "requests_per_s": result.requests_per_s,
+        "chunks_per_s": result.chunks_per_s,
+        "chunks_per_processor_cpu_s": result.chunks_per_processor_cpu_s,
+        "engine_chunks_per_processor_cpu_s": result.engine_chunks_per_processor_cpu_s,
+        "target": TARGET_CHUNKS_PER_CPU_S,
+        "machine": machine_summary(),
+    }
 
 
 if __name__ == "__main__":
