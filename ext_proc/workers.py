@@ -5,7 +5,7 @@ Why processes: one Python process tops out at a few thousand chunks/s (gRPC mess
 and derender share one interpreter). Every worker builds the same scheduler from the same
 config and subscribes to the same engines' KV cache events, so their prefix indexes converge
 on what the engines hold; each enforces its share of the admission budgets
-(`TitoConfig.budget_shares`). This supervisor only starts, restarts and stops them.
+(`TitoConfig.process_token_budgets`). This supervisor only starts, restarts and stops them.
 """
 
 from __future__ import annotations
@@ -53,26 +53,32 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+class StopSignals:
+    """SIGTERM and SIGINT from now on only set `requested`: a supervising loop polls it and
+    stops what it started in its own order."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
 def supervise(command: Callable[[int], list[str]], ports: list[tuple[str, int]], poll_s: float = 0.2) -> int:
     """Run `command(i)` for each worker until SIGTERM/SIGINT, restarting a worker that dies
     meanwhile (Envoy's health check keeps streams off it until it is back); then pass the
     signal on and wait for every worker to drain. 0 when all of them exited cleanly.
     `ports`: each worker's gRPC (host, port). One that exits before it ever served stops them all."""
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = StopSignals()
     pool = [_Worker(i) for i in range(len(ports))]
     try:
         for worker in pool:
             worker.start(command)
-        while not stopping:
+        while not stop.requested:
             time.sleep(poll_s)
-            if stopping:  # (the signal came during the sleep: the workers got it too)
+            if stop.requested:  # (the signal came during the sleep: the workers got it too)
                 break
             for worker in pool:
                 worker.up = worker.up or (worker.popen is not None and _serving(ports[worker.index]))
@@ -86,7 +92,7 @@ def supervise(command: Callable[[int], list[str]], ports: list[tuple[str, int]],
             popen.send_signal(signal.SIGTERM)
         codes = [popen.wait() for popen in live]
     log.info("processor workers exited: %s", codes)
-    return 0 if stopping and all(code == 0 for code in codes) else 1
+    return 0 if stop.requested and all(code == 0 for code in codes) else 1
 
 
 def _serving(address: tuple[str, int]) -> bool:

@@ -25,6 +25,7 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, PoolConfig, TitoCo
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.tiny_model import ensure_tiny_model
+from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
 
@@ -246,14 +247,7 @@ def run_up(config: TitoConfig) -> int:
     require("tito up (vLLM's engine and render server)", ENGINE, "vllm")
     work_dir = Path(config.local.cache_dir).expanduser() / "run"
     stack = LocalStack(config, work_dir)
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = StopSignals()
     print(f"starting render sidecar, engine, processor and Envoy (logs in {work_dir / 'logs'}) ...", flush=True)
     try:
         stack.start()
@@ -264,7 +258,7 @@ def run_up(config: TitoConfig) -> int:
         # on the others. Any other process, or the last engine, ends the stack.
         engines = {name for name, _, _ in stack.engines()}
         reported: set[str] = set()
-        while not stopping:
+        while not stop.requested:
             dead = {name for name, p in stack.processes.items() if not p.alive()}
             if dead - engines or dead >= engines:
                 print(f"stopping: {', '.join(sorted(dead))} exited (see {work_dir / 'logs'})", file=sys.stderr)
