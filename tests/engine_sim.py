@@ -22,7 +22,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,21 @@ class AbortStream(Exception):
     """Raised inside a streaming body: the server drops the connection mid-response."""
 
 
+def vllm_block_stored(hashes: Sequence[bytes | int], token_ids: list[int], block_size: int) -> Any:
+    """vLLM's `BlockStored` event for the first `len(hashes)` full blocks of `token_ids`."""
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=token_ids[: len(hashes) * block_size],
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
 class SimKvEvents:
     """What an engine started with --kv-events-config and --prefix-caching-hash-algo sha256_cbor
     publishes, by vLLM's own parts: its ZMQ publisher (with the replay socket) and its block
@@ -91,7 +106,7 @@ class SimKvEvents:
         self._publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}")
 
     def stored(self, prompt: list[int]) -> None:
-        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+        from vllm.distributed.kv_events import KVEventBatch
         from vllm.utils.hashing import sha256_cbor
         from vllm.v1.core import kv_cache_utils
 
@@ -100,15 +115,7 @@ class SimKvEvents:
             parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, prompt[start : start + size])
             hashes.append(kv_cache_utils.maybe_convert_block_hash(parent))
         if hashes and not self.paused:
-            event = BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=None,
-                token_ids=prompt[: len(hashes) * size],
-                block_size=size,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            )
+            event = vllm_block_stored(hashes, prompt, size)
             self._publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
 
     def close(self) -> None:

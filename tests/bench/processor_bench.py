@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from ext_proc.tools.local_stack import LocalStack, ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command
 from tests.bench.gateway_bench import PARSERS, free_port, machine_summary
+from tests.conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET_CHUNKS_PER_CPU_S = 10_000
@@ -303,31 +303,13 @@ class Result:
 CORES = len(os.sched_getaffinity(0))
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_run(count: int) -> int:
-    """The first of `count` consecutive free ports."""
-    for _ in range(200):
-        first = free_port()
-        if first + count <= 65536 and all(_bindable(port) for port in range(first + 1, first + count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def processor_ports(workers: int | None) -> dict[str, int]:
     """`processor` config for `workers` workers (None: the config's default, as before): worker i
     serves gRPC on port + 2i and admin on admin_port + 2i, so one run of 2N free ports,
     gRPC on the even offsets and admin on the odd ones."""
     if workers is None:
         return {"port": free_port(), "admin_port": free_port()}
-    first = free_port_run(2 * workers)
+    first = free_ports(2 * workers)
     return {"port": first, "admin_port": first + 1, "workers": workers}
 
 

@@ -17,6 +17,7 @@ from ext_proc.config import KvEventsEndpoint
 from ext_proc.legs.kv_events import KvEventSubscriber
 from scheduler import BlockHasher, KvCacheAffinity, Pool, Role, Scheduler
 from tests.conftest import RunningStack, SimGateway, free_port, start_sim_gateway
+from tests.engine_sim import vllm_block_stored
 
 BLOCK = 16
 PROMPT = list(range(1, 6 * BLOCK + 1))
@@ -40,17 +41,7 @@ def _publish(engine: object, *events: object) -> None:
 
 
 def _stored(hashes: list[int]) -> object:
-    from vllm.distributed.kv_events import BlockStored
-
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=PROMPT[: len(hashes) * BLOCK],
-        block_size=BLOCK,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    return vllm_block_stored(hashes, PROMPT, BLOCK)
 
 
 async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
