@@ -325,6 +325,9 @@ class LocalStackConfig(_Strict):
     # + 2n, + 2n + 1) when scheduler.prefix_source is kv_events (vLLM's default port: 5557).
     kv_events_port: int = 5557
     startup_timeout_s: int = 300
+    # Put each engine's EngineCore process on its worker's cores once the engine is up (see
+    # ext_proc/tools/cpu_affinity.py: unbound, its busy wait starves the rest of a small machine).
+    colocate_engine_core: bool = True
 
 
 class TitoConfig(_Strict):

@@ -24,6 +24,7 @@ import httpx
 from ext_proc.config import InstanceConfig, KvEventsEndpoint, PoolConfig, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
+from ext_proc.tools.cpu_affinity import colocate_engine_core
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
@@ -227,9 +228,18 @@ class LocalStack:
             self.start_backends()
             self.start_gateway()
             self.wait_ready()
+            if self.config.local.colocate_engine_core:
+                self.colocate_engine_cores()
         except BaseException:
             self.stop()
             raise
+
+    def colocate_engine_cores(self) -> None:
+        for name, _, _ in self.engines():
+            popen = self.processes[name].popen
+            if popen is not None:
+                for core_pid, cpus in colocate_engine_core(popen.pid).items():
+                    print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
 
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):

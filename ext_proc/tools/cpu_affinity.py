@@ -1,0 +1,66 @@
+"""CPU placement of a local CPU vLLM engine: its EngineCore process joins its workers' cores.
+
+vLLM's CPU worker binds its OpenMP threads to the cores it computes on
+(`VLLM_CPU_OMP_THREADS_BIND=auto`: all but one reserved core) and leaves the rest to the
+system. Its EngineCore process is not bound, and while a batch runs it busy-waits for the
+worker (`shm_broadcast`: `sched_yield` for a second after each read), so on a small machine it
+takes a whole spare core away from the engine's own API server and from everything else.
+Measured on 2 cores (8 concurrent 256-token streams, the engine alone): unbound, 7 of 10
+back-to-back rounds came in one burst at the end, headers included (E2E 2-5 s instead of 1);
+with the EngineCore on the worker's core, 16 of 16 rounds streamed evenly. The busy wait
+only yields the core, so sharing it with the worker costs the worker nothing measurable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid, ...
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (a process tree walk over /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit() and (parent := parent_pid(int(entry.name))) is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _affinity(pid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(pid)
+    except OSError:
+        return None
+
+
+def colocate_engine_core(engine_pid: int) -> dict[int, set[int]]:
+    """Bind every thread of each EngineCore under the engine process `engine_pid` to the cores
+    of its bound workers (the processes under it with an affinity narrower than the machine's).
+    Returns {EngineCore pid: cores}; nothing when the workers are not bound."""
+    machine = os.sched_getaffinity(0)
+    cores: dict[int, set[int]] = {}
+    for pid in descendants(engine_pid):
+        bound, parent = _affinity(pid), parent_pid(pid)
+        if bound is not None and bound < machine and parent is not None and parent != engine_pid:
+            cores.setdefault(parent, set()).update(bound)
+    for core_pid, cpus in cores.items():
+        for task in (_PROC / str(core_pid) / "task").iterdir():
+            with contextlib.suppress(OSError):  # a thread may end meanwhile
+                os.sched_setaffinity(int(task.name), cpus)
+    return cores
