@@ -1,0 +1,146 @@
+"""The floor under the processor's per-chunk cost: gRPC (grpc.aio) CPU per ext_proc message.
+
+A server process answers every `response_body` message of K concurrent bidi streams with one
+`response_body` reply, as Envoy and the processor do for each engine event of a routed stream;
+a client process (on the other core when there are two) sends N messages per stream, each after
+the previous reply. Two server shapes, measured in the same run, alternating:
+- `minimal`: `async for message in messages: yield reply` — the least a Python servicer can do;
+- `outbox`: the processor's own shape (`ext_proc/envoy_protocol/stream.py`): a reader task puts
+  replies on a queue that the gRPC method drains, so the processor can also send between
+  Envoy's messages.
+Printed per shape: server CPU µs per message (from /proc), messages/s, and outbox / minimal.
+Compare with the processor's CPU per engine event (`processor_bench`, `gateway_bench`): what is
+above this floor is derender, SSE and the exchange's own work.
+
+Run: `python -m tests.bench.grpc_bench [--messages 2000] [--streams 8] [--rounds 3]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from protos.stubs import ext_proc_grpc, ext_proc_pb
+from tests.conftest import free_port
+
+EVENT = b'data: {"request_id":"x","choices":[{"index":0,"token_ids":[1234],"finish_reason":null}]}\n\n'
+Messages = AsyncIterator[ext_proc_pb.ProcessingRequest]
+
+
+def _reply(message: ext_proc_pb.ProcessingRequest) -> ext_proc_pb.ProcessingResponse:
+    reply = ext_proc_pb.ProcessingResponse()
+    reply.response_body.response.body_mutation.streamed_response.body = message.response_body.body
+    return reply
+
+
+class Minimal(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    async def Process(self, messages: Messages, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for message in messages:
+            yield _reply(message)
+
+
+class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    async def Process(self, messages: Messages, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+
+        async def read() -> None:
+            async for message in messages:
+                outbox.put_nowait(_reply(message))
+            outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        while (reply := await outbox.get()) is not None:
+            yield reply
+            outbox.task_done()
+        await reader
+
+
+SHAPES = {"minimal": Minimal, "outbox": Outbox}
+
+
+async def _serve(shape: str, port: int) -> None:
+    server = grpc.aio.server()
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(SHAPES[shape](), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _load(port: int, messages: int, streams: int) -> float:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+
+        async def one() -> None:
+            call = stub.Process()
+            request = ext_proc_pb.ProcessingRequest()
+            request.response_body.body = EVENT
+            for _ in range(messages):
+                await call.write(request)
+                await call.read()
+            await call.done_writing()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(streams)))
+        return time.perf_counter() - started
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(shape: str, messages: int, streams: int) -> tuple[float, float]:
+    """(server CPU µs per message, messages/s) for one server of `shape`, in a child process."""
+    cores = sorted(os.sched_getaffinity(0))
+    port = free_port()
+    pid = os.fork()
+    if pid == 0:  # the server, on the first core
+        os.sched_setaffinity(0, {cores[0]})
+        asyncio.run(_serve(shape, port))
+        os._exit(0)
+    try:
+        if len(cores) > 1:
+            os.sched_setaffinity(0, set(cores[1:]))
+        time.sleep(1.0)
+        asyncio.run(_load(port, messages // 4, streams))  # warm-up
+        before = _cpu_seconds(pid)
+        wall = asyncio.run(_load(port, messages, streams))
+        spent = _cpu_seconds(pid) - before
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.sched_setaffinity(0, set(cores))
+    total = messages * streams
+    return 1e6 * spent / total, total / wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--messages", type=int, default=2000, help="per stream")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per shape (median)")
+    args = parser.parse_args(argv)
+    runs: dict[str, list[tuple[float, float]]] = {shape: [] for shape in SHAPES}
+    for _ in range(args.rounds):
+        for shape in SHAPES:
+            runs[shape].append(measure(shape, args.messages, args.streams))
+    print(f"ext_proc gRPC floor: {args.streams} streams x {args.messages} response_body messages, one reply each")
+    medians = {shape: statistics.median(us for us, _ in r) for shape, r in runs.items()}
+    for shape, r in runs.items():
+        rate = statistics.median(rate for _, rate in r)
+        print(f"  {shape:8s} server CPU {medians[shape]:6.1f} us/message (median of {len(r)}), {rate:,.0f} messages/s")
+    print(f"  outbox / minimal: x{medians['outbox'] / medians['minimal']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
