@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape, r in runs.items():
         rate = statistics.median(rate for _, rate in r)
         print(f"  {shape:8s} server CPU {medians[shape]:6.1f} us/message (median of {len(r)}), {rate:,.0f} messages/s")
-    print(f"  outbox / minimal: x{medians['outbox'] / medians['minimal']:.2f}")
+    if medians["minimal"] > 0:  # /proc counts CPU in clock ticks: a tiny run may show none
+        print(f"  outbox / minimal: x{medians['outbox'] / medians['minimal']:.2f}")
+    else:
+        print("  outbox / minimal: too short a run to measure")
     return 0
 
 

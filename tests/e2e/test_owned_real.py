@@ -127,12 +127,12 @@ SETTLE_S = 4.0
 def _cut_mid_answer(stack: RunningStack, body: dict[str, Any], attempts: int = 10) -> tuple[str, Reader]:
     """A stream whose engine dies mid-answer: once the client has text, the serving engine is
     stopped (SIGSTOP) and what it already sent drains; if the client's stream has not ended
-    then, the rest is frozen inside the engine, and SIGKILL cuts it mid-answer. The engine's
-    API server shares two cores with its busy engine core and sometimes sends a whole answer
-    in one burst: such an attempt ends before the engine is stopped and is tried again.
-    Bursts are the rule for an answer started within a second or two of the previous long
-    one's end (measured on this stack: 3 of 4 back to back, 0 of 8 with 3-5 s between), so
-    every attempt starts after the engines have been idle for SETTLE_S."""
+    then, the rest is frozen inside the engine, and SIGKILL cuts it mid-answer. An engine's
+    API server may send a whole answer in one burst: such an attempt ends before the engine
+    is stopped and is tried again. Bursts came from unbound EngineCores busy-waiting on the
+    API server's core (3 of 4 answers started back to back, 0 of 8 with 3-5 s between);
+    `tito up` binds them now (ext_proc/tools/cpu_affinity.py), and every attempt still starts
+    after the engines have been idle for SETTLE_S."""
     groups = _engine_groups(stack)
     assert len(groups) == 2
     for _ in range(attempts):
