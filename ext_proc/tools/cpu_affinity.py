@@ -5,10 +5,11 @@ vLLM's CPU worker binds its OpenMP threads to the cores it computes on
 system. Its EngineCore process is not bound, and while a batch runs it busy-waits for the
 worker (`shm_broadcast`: `sched_yield` for a second after each read), so on a small machine it
 takes a whole spare core away from the engine's own API server and from everything else.
-Measured on 2 cores (8 concurrent 256-token streams, the engine alone): unbound, 7 of 10
-back-to-back rounds came in one burst at the end, headers included (E2E 2-5 s instead of 1);
-with the EngineCore on the worker's core, 16 of 16 rounds streamed evenly. The busy wait
-only yields the core, so sharing it with the worker costs the worker nothing measurable.
+Measured on 2 cores (8 concurrent 256-token streams, the engine alone, 3 x 8 rounds each
+way): unbound, 12 of 24 rounds sent most of their events in one burst at the end, headers
+included (E2E p50 up to 4.3 s); bound to the worker's core, 0 of 24 (E2E p50 0.87-1.56 s,
+about what the even unbound rounds took: 0.94-1.39 s). The busy wait yields the core, so the
+worker keeps it when it has work.
 """
 
 from __future__ import annotations
