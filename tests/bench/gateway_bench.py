@@ -6,8 +6,11 @@ listener and the engine's own OpenAI endpoint, interleaved (ext_proc/tools/bench
 both the gateway's upstream and the native reference, so the difference is what the gateway
 adds: render, scheduling, the ext_proc round trips and derender.
 
+`--start-cost N` then sends N one-token streaming requests per side, one at a time, and prints
+the CPU each process spent per request: the start-up work that concurrent requests queue behind.
+
 Run: `python -m tests.bench.gateway_bench [--parsers/--no-parsers] [--derender in_process|sidecar]
-[--max-tokens 256 1024] [--concurrency 8] [--tools]`.
+[--max-tokens 256 1024] [--concurrency 8] [--tools] [--start-cost 200]`.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from ext_proc.config import TitoConfig
-from ext_proc.tools.bench import BenchOptions, BenchReport, format_report, run_bench
+from ext_proc.tools.bench import PROMPTS, BenchOptions, BenchReport, format_report, run_bench
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
+from tests.bench.cpu_accounting import group_cpu_by_pid, own_cpu_seconds
 
 PARSERS: dict[str, Any] = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 
@@ -73,6 +79,74 @@ def stack_config(
     )
 
 
+def _groups(stack: LocalStack) -> dict[str, int]:
+    """Process group of every process of the stack, by name (engines: `engine0`, ...)."""
+    return {name: p.popen.pid for name, p in stack.processes.items() if p.popen is not None}
+
+
+def _cpu_by_process(stack: LocalStack) -> dict[str, float]:
+    """CPU seconds so far of the stack's processes; an engine's API server (its group's leader)
+    apart from its EngineCore and worker, which `tito up` binds to the worker's cores."""
+    cpu: dict[str, float] = {}
+    for name, pgid in _groups(stack).items():
+        by_pid = group_cpu_by_pid(pgid)
+        if name.startswith(("engine", "prefill", "decode")):
+            cpu[f"{name} API server"] = by_pid.pop(pgid, 0.0)
+            cpu[f"{name} core + worker"] = sum(by_pid.values())
+        else:
+            cpu[name] = sum(by_pid.values())
+    cpu["load generator"] = own_cpu_seconds()
+    return cpu
+
+
+def start_cost(stack: LocalStack, native: str, model: str, requests: int, block: int = 10) -> str:
+    """CPU per request, by process, of requests that are all start-up: streaming chat with
+    `max_tokens` 1, one at a time, the two sides in alternating blocks. Measures what each
+    request costs before its tokens (render, scheduling, ext_proc messages, the engine's
+    request handling), which is what 8 requests arriving together queue behind."""
+    spent: dict[str, dict[str, float]] = {"gateway": {}, "native": {}}
+    urls = {"gateway": stack.base_url, "native": native}
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 1, "stream": True}
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        for side in urls:  # warm-up: connections, caches
+            _chat(client, urls[side], body)
+        blocks = -(-requests // block)  # per side
+        for n in range(2 * blocks):
+            side = list(urls)[n % 2]
+            before = _cpu_by_process(stack)
+            for _ in range(block):
+                _chat(client, urls[side], body)
+            after = _cpu_by_process(stack)
+            for name, seconds in after.items():
+                spent[side][name] = spent[side].get(name, 0.0) + seconds - before.get(name, 0.0)
+    done = {side: block * blocks for side in spent}
+    lines = [
+        f"start-up CPU per request ({done['gateway']} streaming chat requests per side, max_tokens 1, one at a time), ms:"
+    ]
+    lines.append(f"  {'process':24s} {'gateway':>8s} {'native':>8s}")
+    for name in spent["gateway"]:
+        g, n = (1000 * spent[side][name] / done[side] for side in ("gateway", "native"))
+        lines.append(f"  {name:24s} {g:8.2f} {n:8.2f}")
+    free = {
+        side: sum(v for k, v in spent[side].items() if "core + worker" not in k and k != "load generator") / done[side]
+        for side in spent
+    }
+    lines.append(
+        f"  outside the engine's bound cores and the load generator: gateway {1000 * free['gateway']:.2f} ms, "
+        f"native {1000 * free['native']:.2f} ms, x{free['gateway'] / free['native']:.2f}"
+        if free["native"] > 0
+        else "  too few requests to measure (/proc counts CPU in clock ticks)"
+    )
+    return "\n".join(lines)
+
+
+def _chat(client: httpx.Client, url: str, body: dict[str, Any]) -> None:
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for _ in response.iter_bytes():
+            pass
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -91,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default="~/.cache/tito", help="where the tiny model is (generated if missing)")
     parser.add_argument("--work-dir", help="config and logs of the stack (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument(
+        "--start-cost",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N one-token requests per side, one at a time: CPU per request by process",
+    )
     return parser
 
 
@@ -126,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(report)
             if not args.json:
                 print(format_report(report) + "\n", flush=True)
+        if args.start_cost:
+            print(start_cost(stack, native, config.model.served_name, args.start_cost) + "\n", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -24,12 +24,12 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from protos.stubs import ext_proc_grpc, ext_proc_pb
+from tests.bench.cpu_accounting import process_cpu_seconds
 from tests.conftest import free_port
 
 EVENT = b'data: {"request_id":"x","choices":[{"index":0,"token_ids":[1234],"finish_reason":null}]}\n\n'
@@ -93,11 +93,6 @@ async def _load(port: int, messages: int, streams: int) -> float:
         return time.perf_counter() - started
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(shape: str, messages: int, streams: int) -> tuple[float, float]:
     """(server CPU µs per message, messages/s) for one server of `shape`, in a child process."""
     cores = sorted(os.sched_getaffinity(0))
@@ -112,9 +107,9 @@ def measure(shape: str, messages: int, streams: int) -> tuple[float, float]:
             os.sched_setaffinity(0, set(cores[1:]))
         time.sleep(1.0)
         asyncio.run(_load(port, messages // 4, streams))  # warm-up
-        before = _cpu_seconds(pid)
+        before = process_cpu_seconds(pid)
         wall = asyncio.run(_load(port, messages, streams))
-        spent = _cpu_seconds(pid) - before
+        spent = process_cpu_seconds(pid) - before
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)

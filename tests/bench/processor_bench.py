@@ -45,6 +45,7 @@ from ext_proc.tools.bench import WEATHER_TOOL, SseEvents, json_safe
 from ext_proc.tools.local_stack import LocalStack, ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command
+from tests.bench.cpu_accounting import group_cpu_by_pid, machine_cpu_seconds, own_cpu_seconds
 from tests.bench.gateway_bench import PARSERS, free_port, machine_summary
 from tests.conftest import free_ports
 
@@ -52,7 +53,6 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET_CHUNKS_PER_CPU_S = 10_000
 TARGET_SCALE_OUT = 1.7  # requests/s and chunks/s of 2 workers over 1 (the scale-out issue)
 OUTSIDE_NOISE = 0.10  # other processes' CPU during a run, share of one core, worth a warning
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 REASONING = "Let me think step by step. The user asks about the weather in Paris, so I should call the tool. "
 CONTENT = "The weather in Paris is mild in spring: sunny days, a few showers. 你好，世界！ 😀 🚀 "
@@ -82,37 +82,6 @@ def scripted_tokens(model_path: Path, n: int) -> list[int]:
     return (ids + tool)[:n]
 
 
-# -- CPU accounting -----------------------------------------------------------------------
-
-
-def _stat_fields(pid: int) -> list[str]:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on; comm may hold spaces
-
-
-def group_cpu_by_pid(pgid: int) -> dict[int, float]:
-    """CPU seconds of every live process in process group `pgid`: its own utime + stime (all its
-    threads) plus cutime + cstime (children it reaped, e.g. a processor worker that died and was
-    restarted meanwhile). A LocalStack process runs in a session of its own, and what it starts
-    without a new session stays in its group: the processor supervisor's workers, vLLM's children."""
-    ticks: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = _stat_fields(int(entry.name))
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid:
-            ticks[int(entry.name)] = sum(int(f) for f in fields[11:15]) / CLOCK_TICKS
-    return ticks
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """utime + stime of every live process in process group `pgid` (and of the children they reaped)."""
-    return sum(group_cpu_by_pid(pgid).values())
-
-
 def process_label(pid: int, leader: int, workers: int) -> str:
     """`supervisor` (the group's leader; `processor` when it serves alone) or `worker i` (from
     its `--worker i` argument)."""
@@ -125,20 +94,6 @@ def process_label(pid: int, leader: int, workers: int) -> str:
     if b"--worker" in argv[:-1]:
         return f"worker {argv[argv.index(b'--worker') + 1].decode()}"
     return f"pid {pid}"
-
-
-def machine_cpu_seconds() -> float:
-    """Busy CPU seconds of the whole machine since boot, every core (/proc/stat: all but idle and iowait)."""
-    try:
-        fields = [int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICKS
-
-
-def own_cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
 
 
 # -- load ---------------------------------------------------------------------------------
