@@ -125,8 +125,8 @@ def start_cost(stack: LocalStack, native: str, model: str, requests: int, block:
     ]
     lines.append(f"  {'process':24s} {'gateway':>8s} {'native':>8s}")
     for name in spent["gateway"]:
-        g, n = (1000 * spent[side][name] / done[side] for side in ("gateway", "native"))
-        lines.append(f"  {name:24s} {g:8.2f} {n:8.2f}")
+        gateway_ms, native_ms = (1000 * spent[side][name] / done[side] for side in ("gateway", "native"))
+        lines.append(f"  {name:24s} {gateway_ms:8.2f} {native_ms:8.2f}")
     free = {
         side: sum(v for k, v in spent[side].items() if "core + worker" not in k and k != "load generator") / done[side]
         for side in spent
