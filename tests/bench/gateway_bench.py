@@ -79,18 +79,18 @@ def stack_config(
     )
 
 
-def _groups(stack: LocalStack) -> dict[str, int]:
-    """Process group of every process of the stack, by name (engines: `engine0`, ...)."""
-    return {name: p.popen.pid for name, p in stack.processes.items() if p.popen is not None}
-
-
 def _cpu_by_process(stack: LocalStack) -> dict[str, float]:
-    """CPU seconds so far of the stack's processes; an engine's API server (its group's leader)
-    apart from its EngineCore and worker, which `tito up` binds to the worker's cores."""
+    """CPU seconds so far of the stack's processes (each its own process group); an engine's
+    API server (its group's leader) apart from its EngineCore and worker, which `tito up`
+    binds to the worker's cores."""
+    engines = {name for name, _, _ in stack.engines()}
     cpu: dict[str, float] = {}
-    for name, pgid in _groups(stack).items():
+    for name, process in stack.processes.items():
+        if process.popen is None:
+            continue
+        pgid = process.popen.pid
         by_pid = group_cpu_by_pid(pgid)
-        if name.startswith(("engine", "prefill", "decode")):
+        if name in engines:
             cpu[f"{name} API server"] = by_pid.pop(pgid, 0.0)
             cpu[f"{name} core + worker"] = sum(by_pid.values())
         else:
