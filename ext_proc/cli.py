@@ -30,7 +30,12 @@ def _processor(args: argparse.Namespace) -> int:
     if args.worker is not None:
         config = config.model_copy(update={"processor": config.processor.for_worker(args.worker)})
     configure_logging(args.log_level, config.logging.format)
-    asyncio.run(serve(config))
+    if config.processor.event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(serve(config))
+    else:
+        asyncio.run(serve(config))
     return 0
 
 

@@ -115,6 +115,9 @@ class ProcessorConfig(_Strict):
     # Worker i takes the port pair `port + 2i`, `admin_port + 2i` (9002/9003, 9004/9005, ...).
     workers: int = Field(default=1, ge=1)
     worker_index: int = Field(default=0, ge=0)  # set by the supervisor for each worker
+    # uvloop (what vLLM's API server runs on): the gRPC handling of each ext_proc message costs
+    # about a quarter less CPU than on asyncio's own loop (`tests/bench/grpc_bench.py`).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
     @model_validator(mode="after")
     def _worker_ports_disjoint(self) -> ProcessorConfig:

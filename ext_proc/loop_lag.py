@@ -18,9 +18,11 @@ class LoopLag:
         self._interval = interval_s
         self._samples: deque[float] = deque(maxlen=window)  # the last minute at 50 ms
         self.max_ms = 0.0
+        self.loop = ""  # the loop's implementation: "uvloop" or "asyncio" (`processor.event_loop`)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        self.loop = type(loop).__module__.split(".")[0]
         while True:
             start = loop.time()
             await asyncio.sleep(self._interval)
@@ -31,4 +33,4 @@ class LoopLag:
     def snapshot(self) -> dict[str, Any]:
         ordered = sorted(self._samples)
         p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else 0.0
-        return {"p99_ms": round(p99, 2), "max_ms": round(self.max_ms, 2), "samples": len(ordered)}
+        return {"p99_ms": round(p99, 2), "max_ms": round(self.max_ms, 2), "samples": len(ordered), "loop": self.loop}

@@ -8,11 +8,15 @@ the previous reply. Two server shapes, measured in the same run, alternating:
 - `outbox`: the processor's own shape (`ext_proc/envoy_protocol/stream.py`): a reader task puts
   replies on a queue that the gRPC method drains, so the processor can also send between
   Envoy's messages.
-Printed per shape: server CPU µs per message (from /proc), messages/s, and outbox / minimal.
-Compare with the processor's CPU per engine event (`processor_bench`, `gateway_bench`): what is
-above this floor is derender, SSE and the exchange's own work.
+And the outbox shape on uvloop (`processor.event_loop`, the default) against asyncio's own loop.
+`--pace-ms` spaces each stream's messages as an engine spaces its tokens (8 streams of a CPU
+engine: about 6 ms): every message then wakes the server from idle, which costs more than
+back-to-back messages (`--pace-ms 0`).
+Printed per case: server CPU µs per message (from /proc), messages/s, outbox / minimal, and
+uvloop / asyncio. Compare with the processor's CPU per engine event (`processor_bench`,
+`gateway_bench`): what is above this floor is derender, SSE and the exchange's own work.
 
-Run: `python -m tests.bench.grpc_bench [--messages 2000] [--streams 8] [--rounds 3]`.
+Run: `python -m tests.bench.grpc_bench [--messages 300] [--streams 8] [--pace-ms 6] [--rounds 5]`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import uvloop
 
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from tests.bench.cpu_accounting import process_cpu_seconds
@@ -65,6 +70,8 @@ class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 SHAPES = {"minimal": Minimal, "outbox": Outbox}
+# (shape, event loop) measured, alternating
+CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop")]
 
 
 async def _serve(shape: str, port: int) -> None:
@@ -75,7 +82,7 @@ async def _serve(shape: str, port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _load(port: int, messages: int, streams: int) -> float:
+async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0) -> float:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ext_proc_grpc.ExternalProcessorStub(channel)
 
@@ -86,6 +93,8 @@ async def _load(port: int, messages: int, streams: int) -> float:
             for _ in range(messages):
                 await call.write(request)
                 await call.read()
+                if pace_s:
+                    await asyncio.sleep(pace_s)
             await call.done_writing()
 
         started = time.perf_counter()
@@ -93,22 +102,24 @@ async def _load(port: int, messages: int, streams: int) -> float:
         return time.perf_counter() - started
 
 
-def measure(shape: str, messages: int, streams: int) -> tuple[float, float]:
-    """(server CPU µs per message, messages/s) for one server of `shape`, in a child process."""
+def measure(
+    shape: str, messages: int, streams: int, loop: str = "asyncio", pace_ms: float = 0.0
+) -> tuple[float, float]:
+    """(server CPU µs per message, messages/s) for one server of `shape` on `loop`, in a child process."""
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
     pid = os.fork()
     if pid == 0:  # the server, on the first core
         os.sched_setaffinity(0, {cores[0]})
-        asyncio.run(_serve(shape, port))
+        (uvloop.run if loop == "uvloop" else asyncio.run)(_serve(shape, port))
         os._exit(0)
     try:
         if len(cores) > 1:
             os.sched_setaffinity(0, set(cores[1:]))
         time.sleep(1.0)
-        asyncio.run(_load(port, messages // 4, streams))  # warm-up
+        asyncio.run(_load(port, messages // 4, streams, pace_ms / 1000))  # warm-up
         before = process_cpu_seconds(pid)
-        wall = asyncio.run(_load(port, messages, streams))
+        wall = asyncio.run(_load(port, messages, streams, pace_ms / 1000))
         spent = process_cpu_seconds(pid) - before
     finally:
         os.kill(pid, 9)
@@ -120,23 +131,33 @@ def measure(shape: str, messages: int, streams: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--messages", type=int, default=2000, help="per stream")
+    parser.add_argument("--messages", type=int, default=300, help="per stream")
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per shape (median)")
+    parser.add_argument("--pace-ms", type=float, default=6.0, help="between one stream's messages (0: back to back)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating runs per case (median)")
     args = parser.parse_args(argv)
-    runs: dict[str, list[tuple[float, float]]] = {shape: [] for shape in SHAPES}
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {case: [] for case in CASES}
     for _ in range(args.rounds):
-        for shape in SHAPES:
-            runs[shape].append(measure(shape, args.messages, args.streams))
-    print(f"ext_proc gRPC floor: {args.streams} streams x {args.messages} response_body messages, one reply each")
-    medians = {shape: statistics.median(us for us, _ in r) for shape, r in runs.items()}
-    for shape, r in runs.items():
+        for shape, loop in CASES:
+            runs[shape, loop].append(measure(shape, args.messages, args.streams, loop, args.pace_ms))
+    print(
+        f"ext_proc gRPC floor: {args.streams} streams x {args.messages} response_body messages, one reply each,"
+        f" {args.pace_ms:g} ms apart per stream"
+    )
+    medians = {case: statistics.median(us for us, _ in r) for case, r in runs.items()}
+    for (shape, loop), r in runs.items():
         rate = statistics.median(rate for _, rate in r)
-        print(f"  {shape:8s} server CPU {medians[shape]:6.1f} us/message (median of {len(r)}), {rate:,.0f} messages/s")
-    if medians["minimal"] > 0:  # /proc counts CPU in clock ticks: a tiny run may show none
-        print(f"  outbox / minimal: x{medians['outbox'] / medians['minimal']:.2f}")
-    else:
-        print("  outbox / minimal: too short a run to measure")
+        print(
+            f"  {shape:8s} {loop:8s} server CPU {medians[shape, loop]:6.1f} us/message (median of {len(r)}),"
+            f" {rate:,.0f} messages/s"
+        )
+    for label, case, base in (
+        ("outbox / minimal (asyncio)", ("outbox", "asyncio"), ("minimal", "asyncio")),
+        ("outbox: uvloop / asyncio", ("outbox", "uvloop"), ("outbox", "asyncio")),
+    ):
+        # /proc counts CPU in clock ticks: a tiny run may show none
+        ratio = f"x{medians[case] / medians[base]:.2f}" if medians[base] > 0 else "too short a run to measure"
+        print(f"  {label}: {ratio}")
     return 0
 
 

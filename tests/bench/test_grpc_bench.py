@@ -1,4 +1,5 @@
-"""The gRPC floor benchmark runs both server shapes to the end; its timings are printed, never asserted."""
+"""The gRPC floor benchmark runs every server shape and event loop to the end; its timings are
+printed, never asserted."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 from tests.bench import grpc_bench
 
 
-def test_both_shapes_answer_every_message(capsys: pytest.CaptureFixture[str]) -> None:
-    for shape in grpc_bench.SHAPES:
-        us_per_message, rate = grpc_bench.measure(shape, messages=40, streams=2)
+def test_every_case_answers_every_message(capsys: pytest.CaptureFixture[str]) -> None:
+    for shape, loop in grpc_bench.CASES:
+        us_per_message, rate = grpc_bench.measure(shape, messages=40, streams=2, loop=loop, pace_ms=1)
         assert us_per_message >= 0 and rate > 0  # _load returned only after every reply was read
-    assert grpc_bench.main(["--messages", "40", "--streams", "2", "--rounds", "1"]) == 0
-    assert "outbox / minimal" in capsys.readouterr().out
+    assert grpc_bench.main(["--messages", "40", "--streams", "2", "--rounds", "1", "--pace-ms", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "outbox / minimal (asyncio)" in out and "outbox: uvloop / asyncio" in out

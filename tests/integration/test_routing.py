@@ -199,10 +199,12 @@ def test_reasoning_is_split_from_content_by_the_sidecar_parser(
 
 
 def test_the_processor_reports_its_event_loop_lag(sim_gateway: SimGateway) -> None:
-    """The loop every stream shares is watched: a timer's lateness, sampled continuously."""
+    """The loop every stream shares is watched: a timer's lateness, sampled continuously; it
+    is uvloop unless `processor.event_loop` says otherwise."""
     time.sleep(0.3)
     lag = sim_gateway.state()["event_loop_lag"]
     assert lag["samples"] > 0 and 0 <= lag["p99_ms"] <= lag["max_ms"]
+    assert lag["loop"] == sim_gateway.config.processor.event_loop == "uvloop"
     metrics = httpx.get(
         f"http://127.0.0.1:{sim_gateway.config.processor.admin_port}/metrics", timeout=5, trust_env=False
     ).text
