@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+import uvloop
+
 from ext_proc.config import ProcessorConfig, load_config
 from ext_proc.extras import MissingExtra
 
@@ -30,12 +32,7 @@ def _processor(args: argparse.Namespace) -> int:
     if args.worker is not None:
         config = config.model_copy(update={"processor": config.processor.for_worker(args.worker)})
     configure_logging(args.log_level, config.logging.format)
-    if config.processor.event_loop == "uvloop":
-        import uvloop
-
-        uvloop.run(serve(config))
-    else:
-        asyncio.run(serve(config))
+    (uvloop.run if config.processor.event_loop == "uvloop" else asyncio.run)(serve(config))
     return 0
 
 
