@@ -21,7 +21,8 @@ from tests.engine_sim import Fault
 from tests.render_proxy import RenderFault, RenderProxy, RenderProxyServer
 from tests.servers import ThreadedServer
 
-SECRET = "correct horse battery staple 7f3a"
+# Its last word is not hex: request ids are random hex and could contain a hex word by chance.
+SECRET = "correct horse battery staple q7zx"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something, 東京 🐉"}], "max_tokens": 12}
 COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 12, "logprobs": 2}
