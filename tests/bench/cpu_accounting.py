@@ -19,6 +19,16 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process's main thread alone (an asyncio process: its event loop)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return 0.0  # gone meanwhile
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def group_cpu_by_pid(pgid: int) -> dict[int, float]:
     """CPU seconds of every live process in process group `pgid`: its own utime + stime (all its
     threads) plus cutime + cstime (children it reaped, e.g. a processor worker that died and was

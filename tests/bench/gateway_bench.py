@@ -8,6 +8,8 @@ adds: render, scheduling, the ext_proc round trips and derender.
 
 `--start-cost N` then sends N one-token streaming requests per side, one at a time, and prints
 the CPU each process spent per request: the start-up work that concurrent requests queue behind.
+The processor's event-loop thread is shown apart from its helper threads (vLLM's tokenization
+pool, the thread that builds derender sessions, gRPC's poller and EventEngine threads).
 
 Run: `python -m tests.bench.gateway_bench [--parsers/--no-parsers] [--derender in_process|sidecar]
 [--max-tokens 256 1024] [--concurrency 8] [--tools] [--start-cost 200]`.
@@ -32,7 +34,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.tools.bench import PROMPTS, BenchOptions, BenchReport, format_report, run_bench
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
-from tests.bench.cpu_accounting import group_cpu_by_pid, own_cpu_seconds
+from tests.bench.cpu_accounting import group_cpu_by_pid, main_thread_cpu_seconds, own_cpu_seconds
 
 PARSERS: dict[str, Any] = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 
@@ -79,6 +81,9 @@ def stack_config(
     )
 
 
+PROCESSOR_LOOP = "  of which its event loop"  # a part of the processor's row, not a process
+
+
 def _cpu_by_process(stack: LocalStack) -> dict[str, float]:
     """CPU seconds so far of the stack's processes (each its own process group); an engine's
     API server (its group's leader) apart from its EngineCore and worker, which `tito up`
@@ -95,6 +100,8 @@ def _cpu_by_process(stack: LocalStack) -> dict[str, float]:
             cpu[f"{name} core + worker"] = sum(by_pid.values())
         else:
             cpu[name] = sum(by_pid.values())
+        if name == "processor":  # the event loop apart: gRPC, the exchange, render's async part
+            cpu[PROCESSOR_LOOP] = sum(main_thread_cpu_seconds(pid) for pid in by_pid)
     cpu["load generator"] = own_cpu_seconds()
     return cpu
 
@@ -128,7 +135,12 @@ def start_cost(stack: LocalStack, native: str, model: str, requests: int, block:
         gateway_ms, native_ms = (1000 * spent[side][name] / done[side] for side in ("gateway", "native"))
         lines.append(f"  {name:24s} {gateway_ms:8.2f} {native_ms:8.2f}")
     free = {
-        side: sum(v for k, v in spent[side].items() if "core + worker" not in k and k != "load generator") / done[side]
+        side: sum(
+            v
+            for k, v in spent[side].items()
+            if "core + worker" not in k and k not in ("load generator", PROCESSOR_LOOP)
+        )
+        / done[side]
         for side in spent
     }
     lines.append(

@@ -13,10 +13,13 @@ And the outbox shape on uvloop (`processor.event_loop`, the default) against asy
 engine: about 6 ms): every message then wakes the server from idle, which costs more than
 back-to-back messages (`--pace-ms 0`).
 Printed per case: server CPU µs per message (from /proc), messages/s, outbox / minimal, and
-uvloop / asyncio. Compare with the processor's CPU per engine event (`processor_bench`,
+uvloop / asyncio. Then what a stream itself costs, as Envoy opens one per request: streams one
+after another (`--one-by-one`) of 1 and of 11 messages, 2 ms apart, give the server CPU to open
+and end a stream and the cost of each message in it. Compare with the processor's CPU per engine event (`processor_bench`,
 `gateway_bench`): what is above this floor is derender, SSE and the exchange's own work.
 
-Run: `python -m tests.bench.grpc_bench [--messages 300] [--streams 8] [--pace-ms 6] [--rounds 5]`.
+Run: `python -m tests.bench.grpc_bench [--messages 300] [--streams 8] [--pace-ms 6] [--rounds 5]
+[--one-by-one 200]`.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 SHAPES = {"minimal": Minimal, "outbox": Outbox}
 # (shape, event loop) measured, alternating
 CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop")]
+STREAM_SPAN = 10  # extra messages of the long streams in `stream_cost`
 
 
 async def _serve(shape: str, port: int) -> None:
@@ -82,7 +86,7 @@ async def _serve(shape: str, port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0) -> float:
+async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0, one_by_one: bool = False) -> float:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ext_proc_grpc.ExternalProcessorStub(channel)
 
@@ -96,14 +100,19 @@ async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0) -> 
                 if pace_s:
                     await asyncio.sleep(pace_s)
             await call.done_writing()
+            await call.code()  # the server ended the call: its whole cost is in
 
         started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(streams)))
+        if one_by_one:  # as Envoy opens a stream per request: each one's set-up and end counted
+            for _ in range(streams):
+                await one()
+        else:
+            await asyncio.gather(*(one() for _ in range(streams)))
         return time.perf_counter() - started
 
 
 def measure(
-    shape: str, messages: int, streams: int, loop: str = "asyncio", pace_ms: float = 0.0
+    shape: str, messages: int, streams: int, loop: str = "asyncio", pace_ms: float = 0.0, one_by_one: bool = False
 ) -> tuple[float, float]:
     """(server CPU µs per message, messages/s) for one server of `shape` on `loop`, in a child process."""
     cores = sorted(os.sched_getaffinity(0))
@@ -117,9 +126,9 @@ def measure(
         if len(cores) > 1:
             os.sched_setaffinity(0, set(cores[1:]))
         time.sleep(1.0)
-        asyncio.run(_load(port, messages // 4, streams, pace_ms / 1000))  # warm-up
+        asyncio.run(_load(port, max(1, messages // 4), streams, pace_ms / 1000, one_by_one))  # warm-up
         before = process_cpu_seconds(pid)
-        wall = asyncio.run(_load(port, messages, streams, pace_ms / 1000))
+        wall = asyncio.run(_load(port, messages, streams, pace_ms / 1000, one_by_one))
         spent = process_cpu_seconds(pid) - before
     finally:
         os.kill(pid, 9)
@@ -129,12 +138,27 @@ def measure(
     return 1e6 * spent / total, total / wall
 
 
+def stream_cost(streams: int, pace_ms: float, rounds: int) -> tuple[float, float]:
+    """(server CPU ms to open and end one stream, µs per message in it): `streams` streams one
+    after another of 1 and of 1 + STREAM_SPAN messages, alternating, on the processor's shape and
+    loop; the difference gives the per-message cost, the rest of a 1-message stream is its set-up."""
+    per_stream: dict[int, list[float]] = {1: [], 1 + STREAM_SPAN: []}
+    for _ in range(rounds):
+        for n, costs in per_stream.items():
+            us_per_message = measure("outbox", n, streams, "uvloop", pace_ms, one_by_one=True)[0]
+            costs.append(us_per_message * n)
+    short, long = (statistics.median(costs) for costs in per_stream.values())
+    per_message = (long - short) / STREAM_SPAN
+    return (short - per_message) / 1000, per_message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--messages", type=int, default=300, help="per stream")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--pace-ms", type=float, default=6.0, help="between one stream's messages (0: back to back)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating runs per case (median)")
+    parser.add_argument("--one-by-one", type=int, default=200, help="streams opened one after another (0: skip)")
     args = parser.parse_args(argv)
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {case: [] for case in CASES}
     for _ in range(args.rounds):
@@ -158,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         # /proc counts CPU in clock ticks: a tiny run may show none
         ratio = f"x{medians[case] / medians[base]:.2f}" if medians[base] > 0 else "too short a run to measure"
         print(f"  {label}: {ratio}")
+    if args.one_by_one:
+        setup_ms, per_message = stream_cost(args.one_by_one, 2.0, args.rounds)
+        print(
+            f"one stream per request ({args.one_by_one} streams one after another, outbox on uvloop):"
+            f" set-up and end {setup_ms:.2f} ms of server CPU per stream, then {per_message:.0f} us per message"
+        )
     return 0
 
 

@@ -12,6 +12,10 @@ def test_every_case_answers_every_message(capsys: pytest.CaptureFixture[str]) ->
     for shape, loop in grpc_bench.CASES:
         us_per_message, rate = grpc_bench.measure(shape, messages=40, streams=2, loop=loop, pace_ms=1)
         assert us_per_message >= 0 and rate > 0  # _load returned only after every reply was read
-    assert grpc_bench.main(["--messages", "40", "--streams", "2", "--rounds", "1", "--pace-ms", "0"]) == 0
+    us_per_message, rate = grpc_bench.measure("outbox", 3, 20, "uvloop", one_by_one=True)
+    assert us_per_message >= 0 and rate > 0  # every stream was answered and ended, one after another
+    argv = ["--messages", "40", "--streams", "2", "--rounds", "1", "--pace-ms", "0", "--one-by-one", "20"]
+    assert grpc_bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "outbox / minimal (asyncio)" in out and "outbox: uvloop / asyncio" in out
+    assert "set-up and end" in out
