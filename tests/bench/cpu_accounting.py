@@ -8,8 +8,8 @@ from pathlib import Path
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(pid: int) -> list[str]:
-    text = Path(f"/proc/{pid}/stat").read_text()
+def _stat_fields(pid: int, thread: int | None = None) -> list[str]:
+    text = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat").read_text()
     return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on; comm may hold spaces
 
 
@@ -22,10 +22,9 @@ def process_cpu_seconds(pid: int) -> float:
 def main_thread_cpu_seconds(pid: int) -> float:
     """utime + stime of a process's main thread alone (an asyncio process: its event loop)."""
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+        fields = _stat_fields(pid, thread=pid)
     except OSError:
         return 0.0  # gone meanwhile
-    fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
