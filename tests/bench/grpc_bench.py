@@ -14,9 +14,10 @@ engine: about 6 ms): every message then wakes the server from idle, which costs 
 back-to-back messages (`--pace-ms 0`).
 Printed per case: server CPU µs per message (from /proc), messages/s, outbox / minimal, and
 uvloop / asyncio. Then what a stream itself costs, as Envoy opens one per request: streams one
-after another (`--one-by-one`) of 1 and of 11 messages, 2 ms apart, give the server CPU to open
-and end a stream and the cost of each message in it. Compare with the processor's CPU per engine event (`processor_bench`,
-`gateway_bench`): what is above this floor is derender, SSE and the exchange's own work.
+after another (`--one-by-one`) of 1 and of 11 messages, 2 ms apart, give the server CPU to
+open and end a stream and the cost of each message in it. Compare with the processor's CPU per
+engine event (`processor_bench`, `gateway_bench`): what is above this floor is derender, SSE
+and the exchange's own work.
 
 Run: `python -m tests.bench.grpc_bench [--messages 300] [--streams 8] [--pace-ms 6] [--rounds 5]
 [--one-by-one 200]`.
@@ -76,6 +77,7 @@ SHAPES = {"minimal": Minimal, "outbox": Outbox}
 # (shape, event loop) measured, alternating
 CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop")]
 STREAM_SPAN = 10  # extra messages of the long streams in `stream_cost`
+ONE_BY_ONE_PACE_MS = 2.0  # between a request's messages: each wakes the server from idle
 
 
 async def _serve(shape: str, port: int) -> None:
@@ -138,7 +140,7 @@ def measure(
     return 1e6 * spent / total, total / wall
 
 
-def stream_cost(streams: int, pace_ms: float, rounds: int) -> tuple[float, float]:
+def stream_cost(streams: int, rounds: int, pace_ms: float = ONE_BY_ONE_PACE_MS) -> tuple[float, float]:
     """(server CPU ms to open and end one stream, µs per message in it): `streams` streams one
     after another of 1 and of 1 + STREAM_SPAN messages, alternating, on the processor's shape and
     loop; the difference gives the per-message cost, the rest of a 1-message stream is its set-up."""
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"x{medians[case] / medians[base]:.2f}" if medians[base] > 0 else "too short a run to measure"
         print(f"  {label}: {ratio}")
     if args.one_by_one:
-        setup_ms, per_message = stream_cost(args.one_by_one, 2.0, args.rounds)
+        setup_ms, per_message = stream_cost(args.one_by_one, args.rounds)
         print(
             f"one stream per request ({args.one_by_one} streams one after another, outbox on uvloop):"
             f" set-up and end {setup_ms:.2f} ms of server CPU per stream, then {per_message:.0f} us per message"
