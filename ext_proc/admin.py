@@ -39,14 +39,20 @@ def state(services: Services) -> dict[str, Any]:
         "event_loop_lag": services.loop_lag.snapshot(),
         "draining": services.draining,
         "ready": readiness(services),
+        **({"capabilities": services.capabilities.snapshot()} if services.capabilities is not None else {}),
     }
 
 
 def readiness(services: Services) -> dict[str, bool]:
-    """Each condition of `/ready`: not draining; render answers or the local tokenizer can
-    stand in (never with token obfuscation); at least one engine may be sent a request."""
+    """Each condition of `/ready`: not draining; render answers (and agrees with the engines'
+    tokenizer) or the local tokenizer can stand in (never with token obfuscation); at least
+    one engine may be sent a request, and every pool has one that routes."""
     tokenization = services.tokenization.snapshot()
-    render_up = services.config.render_config.enable and tokenization["render_breaker"] != "open"
+    render_up = (
+        services.config.render_config.enable
+        and tokenization["render_breaker"] != "open"
+        and tokenization["render_held_out"] is None
+    )
     fallback = services.config.model.path is not None and services.codec is None
     now = time.monotonic()  # the planner's clock
     return {
@@ -54,6 +60,8 @@ def readiness(services: Services) -> dict[str, bool]:
         "tokenization": render_up or fallback,
         # an engine whose cool-down is over counts: the next request is its probe
         "engines": any(not b.is_open(now) for b in services.scheduler.breakers.values()),
+        # every pool has an engine whose capability record lets it route
+        "capabilities": services.capabilities is None or services.capabilities.ready(),
     }
 
 

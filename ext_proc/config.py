@@ -305,6 +305,29 @@ class ObfuscationConfig(_Strict):
     fix_added_tokens: bool = True  # also keep the tokenizer's added tokens (chat control, tags)
 
 
+class CapabilitiesConfig(_Strict):
+    """Capability negotiation (RFC 能力协商): before a client request pays for it, the gateway
+    learns what every engine and render endpoint serves (`ext_proc/legs/capabilities.py`):
+    version, models, max_model_len, LoRA adapters, KV block size and hash, KV event sources,
+    whether token-only generate is live (an engine without it is served natively from its
+    first request), and whether its tokenizer agrees with render's (a canary chat rendered
+    and tokenized). An engine routes once its record is complete; `/ready` waits for one
+    routable engine per pool.
+
+    on_mismatch: what a block size, hash algorithm or max_model_len other than the config's
+    does: `adopt` (the engine's value is used: the pool's prefix index hashes in its block
+    size, its KV events are ignored for another hash, requests that do not fit its context
+    go elsewhere) or `hold_out` (it does not route). A tokenizer mismatch always holds out."""
+
+    enable: bool = True
+    on_mismatch: Literal["adopt", "hold_out"] = "adopt"
+    interval_s: float = 30.0  # a complete record is refreshed this often
+    timeout_s: float = 2.0  # per probe request
+    # an endpoint that cannot be probed is tried again after retry_min_s, doubling to retry_max_s
+    retry_min_s: float = 0.5
+    retry_max_s: float = 5.0
+
+
 class LoggingConfig(_Strict):
     """The processor's log lines: text, or one JSON object per line (stage fields as keys)."""
 
@@ -331,6 +354,9 @@ class LocalStackConfig(_Strict):
     # Put each engine's EngineCore process on its worker's cores once the engine is up (see
     # ext_proc/tools/cpu_affinity.py: unbound, its busy wait starves the rest of a small machine).
     colocate_engine_core: bool = True
+    # Engines ("host:port" of pools[].instances) started without --enable-scale-out, as most
+    # existing vLLM deployments run: the gateway serves them on their native endpoints.
+    engines_without_scale_out: list[str] = Field(default_factory=list)
 
 
 class TitoConfig(_Strict):
@@ -344,6 +370,7 @@ class TitoConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     reschedule: RescheduleConfig = RescheduleConfig()
     obfuscation: ObfuscationConfig = ObfuscationConfig()
+    capabilities: CapabilitiesConfig = CapabilitiesConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
     local: LocalStackConfig = LocalStackConfig()

@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import httpx
@@ -20,6 +20,7 @@ from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.engine_metrics import engine_metrics_pollers
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.kv_events import KvEventSubscriber
@@ -78,7 +79,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             await exchange.aclose()
 
 
-def build_scheduler(config: TitoConfig) -> Scheduler:
+def build_scheduler(config: TitoConfig, gated: bool = False) -> Scheduler:
+    """`gated`: no engine routes before its capability record is complete."""
     s = config.scheduler
     weights = AffinityWeights(s.prefill_load_scale, s.overlap_credit, s.load_weight, s.hit_rate_threshold)
     return Scheduler(
@@ -93,6 +95,7 @@ def build_scheduler(config: TitoConfig) -> Scheduler:
         hash_seed=s.hash_seed,
         load_source=s.load_source,
         engine_metrics_stale_s=s.engine_metrics_stale_s,
+        gated=gated,
     )
 
 
@@ -149,12 +152,15 @@ def build_services(
         LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
         codec,
     )
-    scheduler = build_scheduler(config)
+    scheduler = build_scheduler(config, gated=config.capabilities.enable)
     planner = Planner(config, tokenization, scheduler)
+    capabilities = Capabilities(config, scheduler, tokenization, http) if config.capabilities.enable else None
     collector = config.tracing.collector
     tracer = tracer_from_environment(collector.url if collector is not None else None)
     observability = observability or Observability(tracer=tracer)
     planner.on_breaker = observability.breaker_changed
+    if capabilities is not None:
+        planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
     services = Services(
         config=config,
         tokenization=tokenization,
@@ -168,9 +174,18 @@ def build_services(
         triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
         codec=codec,
         observability=observability,
+        capabilities=capabilities,
     )
     observability.metrics.watch(lambda: state(services))
     return services
+
+
+def _both(first: Callable[[str, str], None], second: Callable[[str, str], None]) -> Callable[[str, str], None]:
+    def both(address: str, state: str) -> None:
+        first(address, state)
+        second(address, state)
+
+    return both
 
 
 async def drain(services: Services, timeout_s: float) -> None:
@@ -225,6 +240,8 @@ async def serve(
         lag_monitor = asyncio.create_task(services.loop_lag.run())
         subscribers = [asyncio.create_task(s.run()) for s in kv_event_subscribers(config, services.scheduler)]
         pollers = [asyncio.create_task(p.run()) for p in engine_metrics_pollers(config, services.scheduler, http)]
+        if services.capabilities is not None:
+            pollers.append(asyncio.create_task(services.capabilities.run()))
         worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
         log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
         if ready is not None:

@@ -12,6 +12,7 @@ from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.frontend.tokenization import TokenizationService
+from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.http_client import CountingTransport
 from ext_proc.legs.responses import Outs, error_answer, replay_native
 from ext_proc.legs.trigger import Triggers
@@ -34,6 +35,7 @@ class Services:
     inflight: ByteBudget
     triggers: Triggers
     codec: TokenCodec | None = None  # token obfuscation (off: None)
+    capabilities: Capabilities | None = None  # capability negotiation (off: None)
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     active_exchanges: int = 0
@@ -53,6 +55,8 @@ class Services:
         assert isinstance(plan, TokenOnly)
         address = served_by or plan.routed.hosts[0]
         self.scheduler.mark_token_only_unsupported(address)
+        if self.capabilities is not None:  # its record is out of date: the engine changed
+            self.capabilities.probe_soon(address)
         if self.config.obfuscation.enable:  # fail closed: the native endpoint would get plaintext
             return error_answer(token_only_required(address), end)
         self.native_replays += 1

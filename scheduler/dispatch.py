@@ -94,6 +94,7 @@ class Scheduler:
         hash_seed: str = DEFAULT_SEED,
         load_source: str = "ledger",
         engine_metrics_stale_s: float = 5.0,
+        gated: bool = False,
     ) -> None:
         self.pools = {p.role: p for p in pools if p.instances}
         if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
@@ -105,6 +106,7 @@ class Scheduler:
         if prefix_source not in ("routing", "kv_events"):
             raise ValueError(f"prefix_source: routing or kv_events, not {prefix_source}")
         self.prefix_source = prefix_source
+        self._hash_seed, self._prefix_index_max_blocks = hash_seed, prefix_index_max_blocks
         self.prefix_indexes: dict[Role, PrefixIndex] = {
             role: prefix_index
             or PrefixIndex(
@@ -127,8 +129,14 @@ class Scheduler:
         breaker = breaker or BreakerConfig()
         self.instances = [i for p in self.pools.values() for i in p.instances]
         self.breakers = {i.address: CircuitBreaker(breaker) for i in self.instances}
-        # Engines that answered 404/501 to token-only generate: they get native requests only.
+        # Engines without token-only generate (their capability record, or a 403/404/501 from
+        # generate): they get native requests only.
         self.token_only_unsupported: set[str] = set()
+        # Engines that do not route, with why: no complete capability record yet (every one,
+        # when `gated`: they join as their records arrive), or held out by it.
+        self.held_out: dict[str, str] = {i.address: "no capability record yet" for i in self.instances if gated}
+        self.max_model_lens: dict[str, int] = {}  # what an engine's record says it holds (adopted)
+        self.events_ignored: set[str] = set()  # KV events hashed unlike the index: routing records instead
 
     @property
     def pool(self) -> Pool:
@@ -147,6 +155,51 @@ class Scheduler:
     def supports_token_only(self, address: str) -> bool:
         return address not in self.token_only_unsupported
 
+    def set_capabilities(
+        self, address: str, held_out: str | None, token_only: bool, max_model_len: int | None = None
+    ) -> None:
+        """What an engine's capability record decides: whether it routes (`held_out`: why
+        not), whether it takes token-only generate, and the context it holds (adopted)."""
+        if address not in self.breakers:
+            return
+        if held_out is None:
+            self.held_out.pop(address, None)
+        else:
+            self.held_out[address] = held_out
+        if token_only:
+            self.token_only_unsupported.discard(address)
+        else:
+            self.token_only_unsupported.add(address)
+        if max_model_len is None:
+            self.max_model_lens.pop(address, None)
+        else:
+            self.max_model_lens[address] = max_model_len
+
+    def block_size(self, role: Role) -> int | None:
+        """The block size the role's prefix index hashes in (None: not indexed)."""
+        index = self.prefix_indexes.get(role)
+        return index.block_size if index is not None else None
+
+    def adopt_block_size(self, role: Role, block_size: int) -> None:
+        """The pool's engines hash KV blocks of another size than configured: its prefix
+        index starts over in theirs (what it held was hashed in the old size)."""
+        index = self.prefix_indexes.get(role)
+        if index is None or index.block_size == block_size:
+            return
+        hasher = BlockHasher(block_size, self._hash_seed).hashes if self.prefix_source == "kv_events" else None
+        self.prefix_indexes[role] = PrefixIndex(block_size, self._prefix_index_max_blocks, hasher)
+
+    def ignore_kv_events(self, address: str, ignore: bool) -> None:
+        """An engine hashes its KV events another way (algorithm): the index learns what it
+        holds from routing records instead."""
+        if ignore:
+            self.events_ignored.add(address)
+        else:
+            self.events_ignored.discard(address)
+
+    def _event_fed(self, address: str, now: float) -> bool:
+        return address not in self.events_ignored and self.feeds.event_fed(address, now)
+
     def pick(
         self,
         request: ScheduleRequest,
@@ -158,12 +211,21 @@ class Scheduler:
         """The best instance of the role's pool for this leg, or why there is none."""
         pool = self.pools.get(role)
         skip = set(exclude)
-        usable = [
+        eligible = [
             (n, i)
             for n, i in enumerate(pool.instances if pool else ())
             if i.address not in skip and (needs is None or needs in i.capabilities)
         ]
-        healthy = [(n, i) for n, i in usable if self.breakers[i.address].allows(now)]
+        usable = [(n, i) for n, i in eligible if i.address not in self.held_out]
+        if eligible and not usable:
+            reasons = "; ".join(f"{i.address}: {self.held_out[i.address]}" for _, i in eligible)
+            return Rejection(503, f"no {role.value} engine instance routes ({reasons})")
+        fits = [(n, i) for n, i in usable if self._fits(i.address, request)]
+        if usable and not fits:
+            limit = max(self.max_model_lens[i.address] for _, i in usable)
+            needed = self._context(request)
+            return Rejection(400, f"the request needs {needed} tokens of context; the engines hold at most {limit}")
+        healthy = [(n, i) for n, i in fits if self.breakers[i.address].allows(now)]
         if not healthy:
             return Rejection(503, f"no healthy {role.value} engine instance (all circuit breakers open)")
         demand = request.demand
@@ -185,6 +247,15 @@ class Scheduler:
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
         return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now)
 
+    @staticmethod
+    def _context(request: ScheduleRequest) -> int:
+        return len(request.prompt_token_ids) + request.max_tokens
+
+    def _fits(self, address: str, request: ScheduleRequest) -> bool:
+        """The prompt and its generation fit the context the engine's record says it holds."""
+        limit = self.max_model_lens.get(address)
+        return limit is None or self._context(request) <= limit
+
     def commit(self, pick: Pick) -> Decision:
         """Take the leg's lease (keyed by its request id), claim a half-open probe, and
         remember where the prompt's blocks now live."""
@@ -194,7 +265,7 @@ class Scheduler:
         self.engine_loads.committed(address, pick.request.demand)
         index = self.prefix_indexes.get(pick.role)
         if pick.hashes and index is not None:
-            if self.feeds.event_fed(address, pick.at):  # the engine's events will say what it holds
+            if self._event_fed(address, pick.at):  # the engine's events will say what it holds
                 self.feeds.committed(address, pick.at)
             else:
                 index.record(pick.hashes, address)
@@ -209,7 +280,7 @@ class Scheduler:
         """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
         breaker, least busy first, else any. It takes no lease and no half-open probe, and its
         outcome is never breaker input."""
-        instances = self.pool.instances
+        instances = [i for i in self.pool.instances if i.address not in self.held_out] or self.pool.instances
         closed = [i for i in instances if self.breakers[i.address].state is BreakerState.CLOSED]
         ranked = sorted(closed or instances, key=lambda i: self.ledger.active_requests(i.address))
         return tuple(i.address for i in ranked)
@@ -258,7 +329,7 @@ class Scheduler:
         """An instance's engine reported what its KV cache now holds (or no longer holds)."""
         instance = next((i for i in self.instances if i.address == address), None)
         index = self.prefix_indexes.get(instance.role) if instance is not None else None
-        if index is None:
+        if index is None or address in self.events_ignored:
             return  # a decode instance: its cache is filled by handoffs, not scheduled on
         for event in events:
             if isinstance(event, BlockStored):
@@ -286,7 +357,9 @@ class Scheduler:
                     "breaker": self.breakers[i.address].state.value,
                     "consecutive_failures": self.breakers[i.address].failures,
                     "token_only": self.supports_token_only(i.address),
-                    "prefix_source": "kv_events" if self.feeds.event_fed(i.address, now) else "routing",
+                    "prefix_source": "kv_events" if self._event_fed(i.address, now) else "routing",
+                    "routes": i.address not in self.held_out,
+                    **({"held_out": self.held_out[i.address]} if i.address in self.held_out else {}),
                     "prefix_blocks": self._held(i),
                     **self._load_snapshot(i.address, now),
                 }

@@ -151,6 +151,15 @@ class EngineSim:
     kv_blocks: int = 1000  # the KV cache /metrics reports: kv_blocks × block_size tokens
     block_size: int = 128  # a CPU engine's (and pools[].block_size's default)
     kv_events: SimKvEvents | None = None  # `publish_kv_events`: what --kv-events-config publishes
+    # What capability negotiation reads: vLLM's version, the context it announces, whether it
+    # runs with --enable-scale-out (else generate answers 0.32's 403), the prefix-caching hash
+    # it reports, and its tokenization of the gateway's canary chat (None: no /tokenize).
+    version: str = "0.32.0"
+    max_model_len: int = 2048
+    scale_out: bool = True
+    hash_algo: str = "sha256"
+    canary_ids: list[int] | None = None
+    probes: list[str] = field(default_factory=list)  # paths the gateway's capability probes asked for
 
     @property
     def address(self) -> str:
@@ -204,12 +213,20 @@ class EngineSim:
     # -- routes -------------------------------------------------------------------------
 
     async def _record(self, request: Request) -> bytes:
+        """The request's body; recorded unless it is a capability probe (tests count what
+        clients caused)."""
         body = await request.body()
-        self.received.append(Received(request.url.path, dict(request.headers), body))
+        if _is_probe(request):
+            self.probes.append(request.url.path)
+        else:
+            self.received.append(Received(request.url.path, dict(request.headers), body))
         return body
 
     async def generate(self, request: Request) -> Response:
         body = json.loads(await self._record(request))
+        if not self.scale_out:  # what vLLM 0.32 answers without --enable-scale-out
+            message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+            return _error(403, message, "PermissionDeniedError")
         if body.get("model") not in (None, self.model):
             return _error(404, f"The model `{body['model']}` does not exist.", "NotFoundError")
         if not body.get("token_ids"):
@@ -422,10 +439,22 @@ class EngineSim:
 
     async def models(self, request: Request) -> Response:
         await self._record(request)
-        fault = self._take_fault()
+        fault = None if _is_probe(request) else self._take_fault()
         if fault is not None and fault.kind == "status":
             return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
-        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "sim"}]})
+        model = {"id": self.model, "object": "model", "owned_by": "sim", "root": "/sim/" + self.model}
+        return JSONResponse({"object": "list", "data": [{**model, "parent": None, "max_model_len": self.max_model_len}]})
+
+    async def version_info(self, request: Request) -> Response:
+        await self._record(request)
+        return JSONResponse({"version": self.version})
+
+    async def tokenize(self, request: Request) -> Response:
+        await self._record(request)
+        if self.canary_ids is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        ids = self.canary_ids
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -437,7 +466,10 @@ class EngineSim:
             return _error(self.metrics_status, "simulated metrics failure", "EngineError")
         running, waiting, kv_usage = self.external_load
         labels = f'engine="0",model_name="{self.model}"'
-        cache = f'block_size="{self.block_size}",cache_dtype="auto",engine="0",num_gpu_blocks="{self.kv_blocks}"'
+        cache = (
+            f'block_size="{self.block_size}",cache_dtype="auto",engine="0",num_gpu_blocks="{self.kv_blocks}",'
+            f'prefix_caching_hash_algo="{self.hash_algo}"'
+        )
         lines = [
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{{{labels}}} {float(self.running + running)}",
@@ -469,7 +501,18 @@ class EngineSim:
                 [{"path": r.path, "headers": r.headers, "body": r.body.decode()} for r in self.received]
             )
         update = await request.json()
-        for key in ("ttft_s", "token_delay_s", "tokens", "finish_reason", "stop_reason", "pad_bytes", "metrics_status"):
+        for key in (
+            "ttft_s",
+            "token_delay_s",
+            "tokens",
+            "finish_reason",
+            "stop_reason",
+            "pad_bytes",
+            "metrics_status",
+            "scale_out",
+            "max_model_len",
+            "canary_ids",
+        ):
             if key in update:
                 setattr(self, key, update[key])
         if "external_load" in update:
@@ -486,6 +529,8 @@ class EngineSim:
                 Route("/v1/chat/completions", self.native, methods=["POST"]),
                 Route("/v1/completions", self.native, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/version", self.version_info, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/sim/control", self.control, methods=["GET", "POST"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
@@ -506,6 +551,10 @@ class EngineSim:
 
     def generate_requests(self) -> list[Received]:
         return [r for r in self.received if r.path == "/inference/v1/generate"]
+
+
+def _is_probe(request: Request) -> bool:
+    return request.headers.get("user-agent") == "tito-capabilities"  # ext_proc/legs/capabilities.py
 
 
 def _logprobs(tokens: list[int], top_k: int | None) -> dict[str, Any] | None:

@@ -127,11 +127,20 @@ class TokenizationService:
         self.local = local
         self.codec = codec  # token obfuscation: physical ids for the engines, and no fallback
         self.fallbacks: Counter[str] = Counter()
+        self.render_held_out: str | None = None  # why render is not used (its tokenizer disagrees)
+
+    @property
+    def renderer(self) -> Renderer | None:
+        return self._render
+
+    def hold_out_render(self, reason: str | None) -> None:
+        """Capability negotiation found render's tokenizer unlike the engines' (None: it agrees)."""
+        self.render_held_out = reason
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         started = time.perf_counter()
-        reason = "render_disabled" if self._render is None else "render_breaker_open"
-        if self._render is not None and self._breaker.allows(time.monotonic()):
+        reason = "render_disabled" if self._render is None else self.render_held_out or "render_breaker_open"
+        if self._render is not None and self.render_held_out is None and self._breaker.allows(time.monotonic()):
             self._breaker.on_dispatch()
             try:
                 tokenized = await self._render.render(request, raw, request_id)
@@ -175,6 +184,7 @@ class TokenizationService:
     def snapshot(self) -> dict[str, Any]:
         return {
             "render_breaker": self._breaker.state.value,
+            "render_held_out": self.render_held_out,
             "local_tokenizer_loaded": self.local.loaded,
             "fallbacks": dict(self.fallbacks),
         }

@@ -34,6 +34,12 @@ _SAMPLE = re.compile(r"([\w:]+)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+def sample_labels(line: str) -> dict[str, str]:
+    """The labels of one exposition line (empty when it is not a sample)."""
+    match = _SAMPLE.fullmatch(line)
+    return dict(_LABEL.findall(match[2] or "")) if match is not None else {}
+
+
 class MetricsUnreadable(ValueError):
     pass
 

@@ -98,6 +98,33 @@ class StateGauges(Collector):
             requests.add_metric([address], instance["active_requests"])
             breaker.add_metric([address], int(instance["breaker"] != "closed"))
         yield from (tokens, requests, breaker)
+        if "capabilities" in state:
+            yield from _capability_gauges(state["capabilities"])
+
+
+CAPABILITY_LABELS = ("instance", "version", "token_only", "tokenizer", "block_size", "max_model_len", "path")
+
+
+def _capability_gauges(capabilities: dict[str, Any]) -> Iterator[Metric]:
+    """One info series per engine (its record's values as labels, 1) and whether it routes."""
+    info = GaugeMetricFamily(
+        "tito_instance_capability_info", "what an engine's capability record says", labels=list(CAPABILITY_LABELS)
+    )
+    routes = GaugeMetricFamily(
+        "tito_instance_routes", "1 while the engine's capability record lets it route", labels=["instance"]
+    )
+    for address, record in capabilities["engines"].items():
+        values = {"instance": address, **{k: str(record.get(k, "")) for k in CAPABILITY_LABELS[1:]}}
+        info.add_metric([values[k] for k in CAPABILITY_LABELS], 1)
+        routes.add_metric([address], int(record.get("routes", False)))
+    render = GaugeMetricFamily(
+        "tito_render_endpoint_used",
+        "1 while the render endpoint's tokenizer agrees with the engines'",
+        labels=["endpoint"],
+    )
+    for name, record in capabilities["render"].items():
+        render.add_metric([name], int(record["used"]))
+    yield from (info, routes, render)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -89,8 +89,7 @@ class Planner:
                 return pair
         alone = self._alone(tokenized, now)
         if isinstance(alone, Rejection):
-            code = "token_budget_exceeded" if alone.status == 429 else "no_healthy_instance"
-            raise GatewayError(alone.status, alone.reason, code=code)
+            raise rejected(alone)
         decision = self._commit_pick(alone)
         if (
             len(tokenized.prompts) > 1  # an instance without token-only generate serves the batch natively
@@ -158,8 +157,7 @@ class Planner:
         needs = None if role is Role.UNION else Capability.COLOCATION
         pick = self.scheduler.pick(request, now, role, exclude=exclude, needs=needs)
         if isinstance(pick, Rejection):
-            code = "token_budget_exceeded" if pick.status == 429 else "no_healthy_instance"
-            raise GatewayError(pick.status, pick.reason, code=code)
+            raise rejected(pick)
         decision = self._commit_pick(pick)
         return Leg(role, decision.request_id, decision.hosts, prompt, budget)
 
@@ -280,6 +278,13 @@ def prefill_body(plan: TokenOnly) -> bytes:
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
     """What the exchange keeps for the life of the stream: no steering fields, no metadata."""
     return replace(tokenized, request=tokenized.request.kept())
+
+
+def rejected(rejection: Rejection) -> GatewayError:
+    """Scheduling's refusal as the client's error."""
+    codes = {429: "token_budget_exceeded", 400: "context_length_exceeded"}
+    code = codes.get(rejection.status, "no_healthy_instance")
+    return GatewayError(rejection.status, rejection.reason, param="messages" if code == codes[400] else None, code=code)
 
 
 def token_only_required(address: str) -> GatewayError:

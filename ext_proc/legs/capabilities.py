@@ -1,0 +1,423 @@
+"""Capability negotiation (RFC 能力协商): what every engine and render endpoint serves,
+learned before a client request pays for it.
+
+Per engine (all GETs, and two POSTs that cost the engine nothing):
+- `/version`; `/v1/models` (served names, `root`, `max_model_len`, LoRA adapters by `parent`);
+- `/metrics`: `vllm:cache_config_info` (block size, prefix-caching hash algorithm);
+- `/kv_event_sources` (where its KV events are published; absent before vLLM 0.32);
+- `POST /inference/v1/generate` with `{}`: 400 is a live token-only route, 403 vLLM 0.32's
+  answer without `--enable-scale-out`, 404 no such route (`TokenOnlyRoute`);
+- `POST /tokenize` of a fixed canary chat: its own tokenizer's ids, compared with render's.
+Per render endpoint: `/version`, `/v1/models` and the same canary rendered.
+
+Probes run at start-up, every `capabilities.interval_s`, after a breaker's half-open probe
+and after a generate answered "no token-only route"; an endpoint that cannot be reached is
+tried again with backoff, so an engine started later joins without a restart. A failed
+refresh keeps the last good record (marked with its error). The decisions are pure
+(`scheduler/capabilities.py`); this module only fetches, parses and applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import orjson
+
+from ext_proc.config import TitoConfig
+from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
+from ext_proc.frontend.tokenization import TokenizationService
+from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
+from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest
+from scheduler import Role, Scheduler
+from scheduler.capabilities import (
+    Assessment,
+    EngineCapabilities,
+    Expected,
+    RenderCapabilities,
+    assess,
+    canary_reference,
+    ready_pools,
+    token_only_route,
+)
+
+log = logging.getLogger("tito.capabilities")
+
+# Marks the gateway's own probes (engine logs; the test simulator does not count them).
+PROBE_HEADERS = {"user-agent": "tito-capabilities"}
+# System text, a non-ASCII user turn: exercises the chat template, BOS/EOS handling and
+# byte-level merges, so tokenizers or templates that differ give other ids.
+CANARY_MESSAGES = [
+    {"role": "system", "content": "You are a canary."},
+    {"role": "user", "content": "héllo, 世界 ✓ <tag> 123"},
+]
+
+
+# -- parsing (pure) ------------------------------------------------------------------------
+
+
+def parse_models(body: Any) -> dict[str, Any]:
+    """`/v1/models`: the base model's names, root and context, and the LoRA adapters (entries
+    with a `parent`). ValueError when it is not a model list."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise ValueError("no model list")
+    bases = [m for m in data if not m.get("parent")]
+    lens = [m["max_model_len"] for m in bases if isinstance(m.get("max_model_len"), int)]
+    roots = [m["root"] for m in bases if isinstance(m.get("root"), str)]
+    return {
+        "served_models": tuple(m["id"] for m in bases),
+        "root": roots[0] if roots else None,
+        "max_model_len": min(lens) if lens else None,
+        "lora_adapters": tuple(m["id"] for m in data if m.get("parent")),
+    }
+
+
+def parse_cache_config(text: str) -> dict[str, Any]:
+    """`vllm:cache_config_info`'s labels: block size and prefix-caching hash (empty: absent)."""
+    for line in text.splitlines():
+        if line.startswith(CACHE_INFO + "{"):
+            labels = sample_labels(line)
+            size = labels.get("block_size", "")
+            return {
+                "block_size": int(size) if size.isdigit() else None,
+                "hash_algo": labels.get("prefix_caching_hash_algo"),
+            }
+    return {}
+
+
+def parse_kv_event_sources(body: Any) -> tuple[str, ...]:
+    """`/kv_event_sources`: one publisher config per data-parallel rank (`{}`: none)."""
+    if not isinstance(body, dict):
+        return ()
+    sources = body.values() if all(isinstance(v, dict) for v in body.values()) else [body]
+    return tuple(str(s["endpoint"]) for s in sources if isinstance(s, dict) and s.get("endpoint"))
+
+
+def parse_tokenized(body: Any) -> tuple[int, ...] | None:
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
+        return tuple(tokens)
+    return None
+
+
+# -- probing (I/O) -------------------------------------------------------------------------
+
+
+class _Prober:
+    def __init__(self, http: httpx.AsyncClient, timeout_s: float, served_name: str) -> None:
+        self._http = http
+        self._timeout_s = timeout_s
+        self._served_name = served_name
+
+    async def _get(self, url: str) -> httpx.Response:
+        return await self._http.get(url, headers=PROBE_HEADERS, timeout=self._timeout_s)
+
+    async def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        content = orjson.dumps(body)
+        headers = {**PROBE_HEADERS, "content-type": "application/json"}
+        return await self._http.post(url, content=content, headers=headers, timeout=self._timeout_s)
+
+    async def _json(self, url: str) -> Any:
+        response = await self._get(url)
+        return orjson.loads(response.content) if response.status_code == 200 else None
+
+    async def _optional(self, fetch: Any) -> Any:
+        """A part of the record an endpoint may lack (None: it did not answer it)."""
+        try:
+            return await fetch
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def engine(self, address: str, now: float) -> EngineCapabilities:
+        """One engine's record; httpx.HTTPError or ValueError when its model list is unreadable."""
+        base = f"http://{address}"
+        models = parse_models(await self._json(base + "/v1/models"))
+        probe = await self._post(base + GENERATE_PATH, {})
+        version, metrics, sources, tokenized = await asyncio.gather(
+            self._optional(self._json(base + "/version")),
+            self._optional(self._get(base + "/metrics")),
+            self._optional(self._json(base + "/kv_event_sources")),
+            self._optional(self._post(base + "/tokenize", {"model": self._served_name, "messages": CANARY_MESSAGES})),
+        )
+        cache = parse_cache_config(metrics.text) if metrics is not None and metrics.status_code == 200 else {}
+        canary = None
+        if tokenized is not None and tokenized.status_code == 200:
+            canary = parse_tokenized(orjson.loads(tokenized.content))
+        return EngineCapabilities(
+            address,
+            version=version.get("version") if isinstance(version, dict) else None,
+            **models,
+            **cache,
+            kv_event_sources=parse_kv_event_sources(sources),
+            token_only=token_only_route(probe.status_code),
+            canary=canary,
+            probed_at=now,
+        )
+
+    async def render(self, endpoint: str, url: str | None, renderer: Renderer, now: float) -> RenderCapabilities:
+        """A render endpoint's record: what it renders the canary into (`url`: its HTTP
+        address for version and models; None for render in this process)."""
+        body = {"model": self._served_name, "messages": CANARY_MESSAGES}
+        request, raw = OpenAIRequest(ApiKind.CHAT, body), orjson.dumps(body)
+        try:
+            tokenized = await renderer.render(request, raw, "tito-canary")
+        except (RenderRejected, RenderUnavailable) as exc:
+            return RenderCapabilities(endpoint, probed_at=now, error=f"canary not rendered: {exc}")
+        record = RenderCapabilities(endpoint, canary=tuple(tokenized.prompts[0].token_ids), probed_at=now)
+        if url is None:
+            return replace(record, served_models=(self._served_name,))
+        version = await self._optional(self._json(url + "/version"))
+        models = await self._optional(self._json(url + "/v1/models"))
+        parsed = parse_models(models) if models is not None else {}
+        return replace(
+            record,
+            version=version.get("version") if isinstance(version, dict) else None,
+            served_models=parsed.get("served_models", ()),
+            max_model_len=parsed.get("max_model_len"),
+        )
+
+
+# -- the records and what they decide -------------------------------------------------------
+
+
+@dataclass
+class _Due:
+    at: float = 0.0  # next probe (the monotonic clock)
+    backoff_s: float = 0.0  # > 0 while the endpoint cannot be probed
+
+
+class Capabilities:
+    """Every engine's and render endpoint's record, refreshed in the background; each round
+    ends by applying the assessments to the scheduler and to tokenization."""
+
+    def __init__(
+        self,
+        config: TitoConfig,
+        scheduler: Scheduler,
+        tokenization: TokenizationService,
+        http: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._settings = config.capabilities
+        self._scheduler = scheduler
+        self._tokenization = tokenization
+        self._clock = clock
+        self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name)
+        self.engines: dict[str, EngineCapabilities | None] = {i.address: None for i in scheduler.instances}
+        self.assessments: dict[str, Assessment] = {}
+        render = config.render_config
+        self._render_url = render.endpoint.url if render.mode == "sidecar" else None
+        self._render_name = self._render_url or "in_process"
+        self.renders: dict[str, RenderCapabilities | None] = {self._render_name: None} if render.enable else {}
+        self.render_used: dict[str, bool] = {}
+        self._due: dict[str, _Due] = {name: _Due() for name in [*self.renders, *self.engines]}
+        self._wake = asyncio.Event()
+        self.rounds = 0
+
+    # -- when to probe
+
+    def probe_soon(self, address: str) -> None:
+        """Refresh this engine's record now (a breaker probe ended, generate said it has no
+        token-only route)."""
+        if address in self._due:
+            self._due[address] = _Due(self._clock(), self._due[address].backoff_s)
+            self._wake.set()
+
+    def breaker_changed(self, address: str, state: str) -> None:
+        """A half-open probe ended (the breaker closed or opened again): the engine may have
+        restarted as something else."""
+        if state in ("closed", "open"):
+            self.probe_soon(address)
+
+    async def run(self) -> None:
+        while True:
+            now = self._clock()
+            due = [name for name, d in self._due.items() if d.at <= now]
+            if due:
+                await self.refresh(due)
+            wait = min(d.at for d in self._due.values()) - self._clock()
+            self._wake.clear()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def refresh(self, names: list[str] | None = None) -> None:
+        """Probe these endpoints (default: all) together, then decide."""
+        names = list(self._due) if names is None else names
+        await asyncio.gather(*(self._probe(name) for name in names))
+        self.rounds += 1
+        self.decide()
+
+    async def _probe(self, name: str) -> None:
+        now = self._clock()
+        is_render = name in self.renders
+        try:
+            if is_render:
+                renderer = self._tokenization.renderer
+                assert renderer is not None
+                record: Any = await self._prober.render(name, self._render_url, renderer, now)
+                failure = record.error
+            else:
+                record = await self._prober.engine(name, now)
+                failure = None
+        except (httpx.HTTPError, ValueError) as exc:
+            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            old = (self.renders if is_render else self.engines)[name]
+            record = replace(old, error=failure) if old is not None else None
+            if old is None or old.error is None:
+                log.warning("capabilities of %s: probe failed (%s); trying again", name, failure)
+        if is_render:
+            self.renders[name] = (
+                record if record is not None else RenderCapabilities(name, probed_at=now, error=failure)
+            )
+        else:
+            self.engines[name] = record
+        self._schedule(name, failure)
+
+    def _schedule(self, name: str, failure: str | None) -> None:
+        s, due = self._settings, self._due[name]
+        if failure is None:
+            self._due[name] = _Due(self._clock() + s.interval_s)
+            return
+        backoff = min(max(due.backoff_s * 2, s.retry_min_s), s.retry_max_s)
+        self._due[name] = _Due(self._clock() + backoff, backoff)
+
+    # -- what the records decide
+
+    def reference(self) -> tuple[int, ...] | None:
+        renders = {name: r.canary if r is not None else None for name, r in self.renders.items()}
+        return canary_reference(renders, (r.canary for r in self.engines.values() if r is not None))
+
+    def decide(self) -> None:
+        reference = self.reference()
+        for name, rendered in self.renders.items():
+            used = rendered is None or rendered.canary is None or reference is None or rendered.canary == reference
+            if self.render_used.get(name, True) != used:
+                if used:
+                    log.info("render %s: its canary agrees again; used", name)
+                else:
+                    log.error("render %s: tokenizer mismatch (its canary ids differ from the engines'); not used", name)
+            self.render_used[name] = used
+        self._tokenization.hold_out_render(None if all(self.render_used.values()) else "render_canary_mismatch")
+        native_allowed = not self._config.obfuscation.enable
+        for pool in self._config.pools:
+            role = Role(pool.role)
+            for instance in pool.instances:
+                expected = Expected(
+                    self._config.model.served_name,
+                    self._config.model.max_model_len,
+                    pool.block_size,
+                    "sha256_cbor"
+                    if instance.kv_events and self._config.scheduler.prefix_source == "kv_events"
+                    else None,
+                )
+                record = self.engines[instance.address]
+                verdict = assess(record, expected, self._settings.on_mismatch, reference, native_allowed)
+                self._apply(instance.address, role, verdict)
+
+    def _apply(self, address: str, role: Role, verdict: Assessment) -> None:
+        before = self.assessments.get(address)
+        self.assessments[address] = verdict
+        adopted = verdict.adopted
+        self._scheduler.set_capabilities(address, verdict.held_out, verdict.token_only, adopted.get("max_model_len"))  # type: ignore[arg-type]
+        block = adopted.get("block_size")
+        if isinstance(block, int) and not self._others_use(address, role, self._scheduler.block_size(role)):
+            self._scheduler.adopt_block_size(role, block)
+        index_size = self._scheduler.block_size(role)
+        record = self.engines[address]
+        other_hash = "hash_algo" in adopted or (record is not None and record.block_size not in (None, index_size))
+        self._scheduler.ignore_kv_events(address, verdict.routes and index_size is not None and other_hash)
+        if before != verdict:
+            self._log(address, verdict)
+
+    def _others_use(self, address: str, role: Role, block_size: int | None) -> bool:
+        """Another routable engine of the role's pool hashes blocks of this size."""
+        return any(
+            a != address
+            and self.assessments.get(a, Assessment(False, False)).routes
+            and r is not None
+            and r.block_size == block_size
+            for i in self._scheduler.pools[role].instances
+            for a, r in [(i.address, self.engines.get(i.address))]
+        )
+
+    def _log(self, address: str, verdict: Assessment) -> None:
+        if not verdict.routes:
+            log.warning("engine %s held out: %s", address, verdict.held_out)
+            return
+        path = "token-only" if verdict.token_only else "native (no token-only generate)"
+        adopted = "; adopted " + ", ".join(verdict.differences) if verdict.adopted else ""
+        log.info("engine %s routes, %s%s", address, path, adopted)
+
+    # -- what operators see
+
+    def ready(self) -> bool:
+        pools = {
+            p.name: [self.assessments.get(i.address, Assessment(False, False)).routes for i in p.instances]
+            for p in self._scheduler.pools.values()
+        }
+        return all(ready_pools(pools).values())
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "on_mismatch": self._settings.on_mismatch,
+            "engines": {address: self.describe_engine(address) for address in self.engines},
+            "render": {name: self.describe_render(name) for name in self.renders},
+        }
+
+    def describe_engine(self, address: str) -> dict[str, Any]:
+        record = self.engines[address]
+        verdict = self.assessments.get(address)
+        out: dict[str, Any] = {"complete": record is not None and record.complete}
+        if record is not None:
+            out |= {
+                "version": record.version,
+                "served_models": list(record.served_models),
+                "root": record.root,
+                "max_model_len": record.max_model_len,
+                "lora_adapters": list(record.lora_adapters),
+                "block_size": record.block_size,
+                "hash_algo": record.hash_algo,
+                "kv_event_sources": list(record.kv_event_sources),
+                "token_only": record.token_only.value,
+                "tokenizer": self._tokenizer(record.canary),
+                "age_s": round(self._clock() - record.probed_at, 3),
+                "error": record.error,
+            }
+        if verdict is not None:
+            out |= {
+                "routes": verdict.routes,
+                "path": "token_only" if verdict.token_only else "native",
+                "differences": list(verdict.differences),
+                "adopted": dict(verdict.adopted),
+                "held_out": verdict.held_out,
+            }
+        return out
+
+    def describe_render(self, name: str) -> dict[str, Any]:
+        record = self.renders[name]
+        out: dict[str, Any] = {"used": self.render_used.get(name, True)}
+        if record is not None:
+            out |= {
+                "version": record.version,
+                "served_models": list(record.served_models),
+                "max_model_len": record.max_model_len,
+                "tokenizer": self._tokenizer(record.canary),
+                "canary_ids": len(record.canary or ()),
+                "error": record.error,
+            }
+        return out
+
+    def _tokenizer(self, canary: tuple[int, ...] | None) -> str:
+        if canary is None:
+            return "unchecked"
+        return "agrees" if canary == self.reference() else "mismatch"
