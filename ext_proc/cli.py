@@ -75,6 +75,7 @@ TOOLS = {
         "ext_proc.tools.conformance",
         "gateway vs native OpenAI answers, field by field, one line per case",
     ),
+    "engines": ("ext_proc.tools.engines", "what every engine and render endpoint serves, and whether it routes"),
 }
 
 

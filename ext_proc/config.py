@@ -385,6 +385,14 @@ class TitoConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _plain_engines_exist(self) -> TitoConfig:
+        addresses = {i.address for p in self.pools for i in p.instances}
+        unknown = sorted(set(self.local.engines_without_scale_out) - addresses)
+        if unknown:
+            raise ValueError(f"local.engines_without_scale_out: {unknown} are not instances of any pool")
+        return self
+
+    @model_validator(mode="after")
     def _obfuscation_needs_render(self) -> TitoConfig:
         if self.obfuscation.enable and not self.render_config.enable:
             raise ValueError("obfuscation.enable needs render_config.enable: the local tokenizer would serve plaintext")

@@ -59,11 +59,15 @@ def engine_command(
     kv_dir: str = "",
     kv_events: KvEventsEndpoint | None = None,
     block_size: int = 128,
+    scale_out: bool = True,
 ) -> list[str]:
-    """An engine serving token-only generate and, as the native reference, OpenAI routes. A
+    """An engine serving token-only generate (unless `scale_out` is off) and, as the native
+    reference, OpenAI routes. A
     prefill or decode engine also gets its side of the pool's KV connector (ExampleConnector:
     KV through a shared folder; NixlConnector: pulled over UCX; vllm-pd-and-kv-events-on-cpu.md §1)."""
-    args = model_flags(model, model_path) + ["--host", host, "--port", str(port), "--enable-scale-out"]
+    args = model_flags(model, model_path) + ["--host", host, "--port", str(port)]
+    if scale_out:  # without it, vLLM 0.32 answers token-only generate with 403 (served natively)
+        args.append("--enable-scale-out")
     args += ["--block-size", str(block_size)]  # the block size the gateway's prefix index hashes in
     if role != "union" and kv_connector != "none":
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"

@@ -443,7 +443,9 @@ class EngineSim:
         if fault is not None and fault.kind == "status":
             return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         model = {"id": self.model, "object": "model", "owned_by": "sim", "root": "/sim/" + self.model}
-        return JSONResponse({"object": "list", "data": [{**model, "parent": None, "max_model_len": self.max_model_len}]})
+        return JSONResponse(
+            {"object": "list", "data": [{**model, "parent": None, "max_model_len": self.max_model_len}]}
+        )
 
     async def version_info(self, request: Request) -> Response:
         await self._record(request)

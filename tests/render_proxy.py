@@ -2,7 +2,8 @@
 
 Render stays real (render, derender and their verdicts come from vLLM); the proxy only adds
 what a test needs on cue: a status instead of the answer, a stall, an invalid body, or no
-listener at all (`stop()`). It records every call so tests can assert what reached render.
+listener at all (`stop()`). It records every call so tests can assert what reached render
+(the gateway's capability probes aside).
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ class RenderProxy:
 
     async def handle(self, request: Request) -> Response:
         body = await request.body()
-        fault = self._fault_for(request.url.path, body)
-        self.calls.append(Call(request.url.path, fault.kind if fault else None))
+        # the gateway's capability probes pass untouched and unrecorded: faults are for requests
+        probe = request.headers.get("user-agent") == "tito-capabilities"
+        fault = None if probe else self._fault_for(request.url.path, body)
+        if not probe:
+            self.calls.append(Call(request.url.path, fault.kind if fault else None))
         if fault is not None and fault.kind == "status":
             return Response(fault.body, status_code=fault.status, media_type="application/json")
         if fault is not None and fault.kind == "stall":

@@ -31,7 +31,7 @@ import httpx
 import orjson
 
 from ext_proc.config import TitoConfig
-from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
+from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, rendered
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest
@@ -162,14 +162,18 @@ class _Prober:
         )
 
     async def render(self, endpoint: str, url: str | None, renderer: Renderer, now: float) -> RenderCapabilities:
-        """A render endpoint's record: what it renders the canary into (`url`: its HTTP
-        address for version and models; None for render in this process)."""
+        """A render endpoint's record: what it renders the canary into, and (`url`: a render
+        server; None: vLLM's renderer in this process) its version and models."""
         body = {"model": self._served_name, "messages": CANARY_MESSAGES}
-        request, raw = OpenAIRequest(ApiKind.CHAT, body), orjson.dumps(body)
+        request = OpenAIRequest(ApiKind.CHAT, body)
         try:
-            tokenized = await renderer.render(request, raw, "tito-canary")
-        except (RenderRejected, RenderUnavailable) as exc:
-            return RenderCapabilities(endpoint, probed_at=now, error=f"canary not rendered: {exc}")
+            if url is None:
+                tokenized = await renderer.render(request, orjson.dumps(body), "tito-canary")
+            else:
+                response = await self._post(url + request.api.render_path, body)
+                tokenized = rendered(request, response.status_code, response.content)
+        except (RenderRejected, RenderUnavailable, httpx.HTTPError) as exc:
+            return RenderCapabilities(endpoint, probed_at=now, error=f"canary not rendered: {exc!r}")
         record = RenderCapabilities(endpoint, canary=tuple(tokenized.prompts[0].token_ids), probed_at=now)
         if url is None:
             return replace(record, served_models=(self._served_name,))
@@ -271,15 +275,13 @@ class Capabilities:
         except (httpx.HTTPError, ValueError) as exc:
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             old = (self.renders if is_render else self.engines)[name]
-            record = replace(old, error=failure) if old is not None else None
             if old is None or old.error is None:
                 log.warning("capabilities of %s: probe failed (%s); trying again", name, failure)
-        if is_render:
-            self.renders[name] = (
-                record if record is not None else RenderCapabilities(name, probed_at=now, error=failure)
-            )
-        else:
-            self.engines[name] = record
+            if old is not None:
+                record = replace(old, error=failure)  # the last good record, marked stale
+            else:
+                record = (RenderCapabilities if is_render else EngineCapabilities)(name, probed_at=now, error=failure)
+        (self.renders if is_render else self.engines)[name] = record
         self._schedule(name, failure)
 
     def _schedule(self, name: str, failure: str | None) -> None:
@@ -298,8 +300,8 @@ class Capabilities:
 
     def decide(self) -> None:
         reference = self.reference()
-        for name, rendered in self.renders.items():
-            used = rendered is None or rendered.canary is None or reference is None or rendered.canary == reference
+        for name, render in self.renders.items():
+            used = render is None or render.canary is None or reference is None or render.canary == reference
             if self.render_used.get(name, True) != used:
                 if used:
                     log.info("render %s: its canary agrees again; used", name)
@@ -370,6 +372,8 @@ class Capabilities:
         return {
             "rounds": self.rounds,
             "on_mismatch": self._settings.on_mismatch,
+            # what each pool's prefix index hashes in (the config's, or adopted from its engines)
+            "block_sizes": {role.value: self._scheduler.block_size(role) for role in self._scheduler.pools},
             "engines": {address: self.describe_engine(address) for address in self.engines},
             "render": {name: self.describe_render(name) for name in self.renders},
         }

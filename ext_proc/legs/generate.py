@@ -1,7 +1,7 @@
 """Generate calls the processor makes itself (processor-owned streams): one leg's body goes
 to the first of its hosts that answers 200, as Envoy's retries would for a routed leg.
 
-An engine that refuses the connection or answers 5xx/404/501 before any output is the next
+An engine that refuses the connection or answers 5xx/403/404/501 before any output is the next
 host's turn and counts against its breaker; any other 4xx is the request's own fault and is
 the client's answer at once."""
 
@@ -17,7 +17,7 @@ from ext_proc.protocol import GENERATE_PATH
 
 JSON = "application/json"
 ERROR_BODY_LIMIT = 64 * 1024  # what is read of an engine's error answer
-_ENGINE_FAULTS = frozenset({404, 408, 429, 501})  # 4xx that say "not this engine", not "bad request"
+_ENGINE_FAULTS = frozenset({403, 404, 408, 429, 501})  # 4xx that say "not this engine", not "bad request"
 
 
 @dataclass

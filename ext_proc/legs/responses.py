@@ -4,7 +4,7 @@ bytes (no protos: the Envoy adapter wraps them).
 - `PassthroughResponse`: the engine's own response, untouched (native path, `/v1/models`);
 - `StreamResponse`: generate SSE through the streaming derender pipeline, chunk by chunk;
 - `BufferedResponse`: a whole generate JSON (derendered once), or an engine error (made an
-  OpenAI error), collected under a size cap; an engine without token-only generate (404/501
+  OpenAI error), collected under a size cap; an engine without token-only generate (403/404/501
   before any output) gets the request once more on its native endpoint, from the processor
   (`replay_native`; RFC fault table, "token-only Engine 能力").
 """
@@ -25,8 +25,9 @@ from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.protocol import OpenAIRequest, TokenizedRequest
 
 JSON = "application/json"
-# What an engine without `/inference/v1/generate` answers (route missing / not implemented).
-UNSUPPORTED_STATUSES = frozenset({404, 501})
+# What an engine without token-only generate answers: 403 is vLLM 0.32 started without
+# --enable-scale-out ("Scale-out endpoints are disabled"), 404/501 a missing route.
+UNSUPPORTED_STATUSES = frozenset({403, 404, 501})
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ async def replay_native(
 
 
 def token_only_unsupported(status: int, body: bytes) -> bool:
-    """404/501 from generate, unless it is the engine's verdict on the request's model."""
+    """403/404/501 from generate, unless it is the engine's verdict on the request's model."""
     if status not in UNSUPPORTED_STATUSES:
         return False
     try:

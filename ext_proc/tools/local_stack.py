@@ -173,6 +173,7 @@ class LocalStack:
                 str(kv_dir),
                 instance.kv_events,
                 pool.block_size,
+                scale_out=instance.address not in self.config.local.engines_without_scale_out,
             )
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}

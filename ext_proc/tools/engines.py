@@ -1,0 +1,82 @@
+"""`tito engines --config FILE`: what every engine and render endpoint of a config serves,
+probed now the way a processor probes them at start-up (`ext_proc/legs/capabilities.py`),
+one line each: what it serves, what differs from the config, whether it routes and how.
+
+Exit status 0 when every pool has an engine that routes (the processor would be ready), else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from ext_proc.config import TitoConfig, load_config
+from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.legs.capabilities import Capabilities
+from ext_proc.legs.http_client import http_client
+from ext_proc.server import build_renderer, build_scheduler
+from scheduler import BreakerConfig, CircuitBreaker
+
+
+async def probe(config: TitoConfig) -> Capabilities:
+    """One probe round over every endpoint of the config, decided."""
+    http, _ = http_client(config)
+    async with http:
+        renderer = await build_renderer(config, http)
+        tokenization = TokenizationService(renderer, CircuitBreaker(BreakerConfig()), LocalTokenizer(None))
+        capabilities = Capabilities(config, build_scheduler(config, gated=True), tokenization, http)
+        await capabilities.refresh()
+    return capabilities
+
+
+def engine_line(address: str, role: str, record: dict[str, Any]) -> str:
+    if not record.get("complete"):
+        return f"engine {address} ({role}): no record ({record.get('error') or 'not reachable'}) -> held out"
+    serves = ", ".join(record["served_models"]) or "nothing"
+    adapters = f" + LoRA {', '.join(record['lora_adapters'])}" if record["lora_adapters"] else ""
+    facts = f"max_model_len {record['max_model_len']}, block {record['block_size']}, hash {record['hash_algo']}"
+    line = (
+        f"engine {address} ({role}): vLLM {record['version']}, serves {serves}{adapters} [{facts}],"
+        f" token-only generate {record['token_only']}, tokenizer {record['tokenizer']}"
+    )
+    if record["differences"]:
+        adopted = " (adopted)" if record["adopted"] else ""
+        line += f", differs from config: {'; '.join(record['differences'])}{adopted}"
+    if record.get("error"):
+        line += f", last probe failed: {record['error']}"
+    if not record["routes"]:
+        return f"{line} -> held out: {record['held_out']}"
+    return f"{line} -> routes {'token-only' if record['path'] == 'token_only' else 'natively'}"
+
+
+def render_line(name: str, record: dict[str, Any]) -> str:
+    if "tokenizer" not in record:
+        return f"render {name}: not probed -> used"
+    if record.get("error"):
+        return f"render {name}: {record['error']} -> used when it answers"
+    serves = ", ".join(record["served_models"]) or "?"
+    line = f"render {name}: vLLM {record['version']}, serves {serves}, canary {record['canary_ids']} ids, tokenizer {record['tokenizer']}"
+    return f"{line} -> {'used' if record['used'] else 'not used (tokenizer mismatch)'}"
+
+
+def report(config: TitoConfig, capabilities: Capabilities) -> list[str]:
+    snapshot = capabilities.snapshot()
+    lines = [render_line(name, record) for name, record in snapshot["render"].items()]
+    for pool in config.pools:
+        for instance in pool.instances:
+            lines.append(engine_line(instance.address, pool.role, snapshot["engines"][instance.address]))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tito engines", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
+    args = parser.parse_args(argv)
+    logging.getLogger("tito").setLevel(logging.ERROR)  # the lines below say it all
+    config = load_config(args.config)
+    capabilities = asyncio.run(probe(config))
+    for line in report(config, capabilities):
+        print(line)
+    return 0 if capabilities.ready() else 1

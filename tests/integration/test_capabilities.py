@@ -1,0 +1,204 @@
+"""Capability negotiation through real Envoy, processor and render, over engine simulators
+that announce what vLLM 0.32 announces: engines without scale-out served natively from their
+first request, config mismatches adopted or held out, a different tokenizer held out, a
+render endpoint whose canary differs not used, an engine that appears later joining, and
+`/ready` waiting for a record."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openai import OpenAI
+
+from ext_proc.config import Endpoint
+from ext_proc.legs.capabilities import CANARY_MESSAGES
+from ext_proc.tools.local_stack import LocalStack
+from tests.conftest import RunningStack, SimGateway, gateway_config, start_gateway
+from tests.engine_sim import EngineSim, SimServer
+
+MESSAGES = [{"role": "user", "content": "What can you do?"}]
+FAST_RETRY = {"retry_min_s": 0.2, "retry_max_s": 1.0}
+
+
+def render_canary(stack: RunningStack) -> list[int]:
+    """What the stack's real render sidecar renders the gateway's canary chat into."""
+    url = stack.config.render_config.endpoint.url + "/v1/chat/completions/render"
+    body = {"model": "tiny", "messages": CANARY_MESSAGES}
+    ids: list[int] = httpx.post(url, json=body, timeout=10, trust_env=False).json()["token_ids"]
+    return ids
+
+
+@contextlib.contextmanager
+def sims_gateway(stack: RunningStack, work: Path, sims: list[EngineSim], **sections: Any) -> Iterator[SimGateway]:
+    """A gateway over these simulators, configured before the processor first probes them."""
+    servers = [SimServer(sim).start() for sim in sims]
+    try:
+        config, gateway = start_gateway(stack, work, [Endpoint(port=s.port) for s in servers], **sections)
+        try:
+            yield SimGateway(config, gateway, sims)
+        finally:
+            gateway.stop()
+    finally:
+        for server in servers:
+            server.close()
+
+
+def client(gateway: SimGateway) -> OpenAI:
+    return OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def engines(gateway: SimGateway) -> dict[str, dict[str, Any]]:
+    records: dict[str, dict[str, Any]] = gateway.state()["capabilities"]["engines"]
+    return records
+
+
+def paths(sim: EngineSim) -> set[str]:
+    return {r.path for r in sim.received}
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_an_engine_without_scale_out_is_served_natively_from_its_first_request(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    plain, tokens = EngineSim(scale_out=False), EngineSim()
+    with sims_gateway(stack, tmp_path, [tokens, plain], scheduler={"policy": "round_robin"}) as gateway:
+        records = engines(gateway)
+        assert records[plain.address]["token_only"] == "disabled" and records[plain.address]["path"] == "native"
+        assert records[tokens.address]["token_only"] == "live" and records[tokens.address]["path"] == "token_only"
+        api = client(gateway)
+        for i in range(4):  # round robin: each engine gets two chat and two completions requests
+            chat = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=bool(i % 2))
+            assert chat is not None
+            completion = api.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+            assert completion.choices[0].text
+        assert paths(plain) == {"/v1/chat/completions", "/v1/completions"}  # never a 403 to absorb
+        assert paths(tokens) == {"/inference/v1/generate"}
+        state = gateway.assert_no_leaks()
+        assert state["native_replays"] == 0
+        assert {i["breaker"] for i in state["scheduler"]["instances"].values()} == {"closed"}
+
+        # The engine restarts without scale-out: its first 403 is replayed natively (no client
+        # sees it, no breaker counts it) and its record is refreshed at once.
+        tokens.scale_out = False
+        for _ in range(2):
+            answer = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+            assert answer.choices[0].message.content
+        wait_for(lambda: engines(gateway)[tokens.address].get("token_only") == "disabled")
+        state = gateway.assert_no_leaks()
+        assert state["native_replays"] == 1
+        assert {i["breaker"] for i in state["scheduler"]["instances"].values()} == {"closed"}
+
+
+def test_mismatches_are_adopted(stack: RunningStack, tmp_path: Path) -> None:
+    """on_mismatch adopt: a smaller context gets only what fits; a pool whose engines all
+    hash blocks of another size gets its index in theirs."""
+    short, other = EngineSim(max_model_len=64, block_size=16), EngineSim(block_size=16)
+    capabilities = {"on_mismatch": "adopt", **FAST_RETRY}
+    with sims_gateway(stack, tmp_path, [short, other], capabilities=capabilities) as gateway:
+        state = gateway.state()["capabilities"]
+        assert state["block_sizes"] == {"union": 16}
+        assert state["engines"][short.address]["adopted"] == {"max_model_len": 64, "block_size": 16}
+        assert all(record["routes"] for record in state["engines"].values())
+        api = client(gateway)
+        for _ in range(4):  # prompt + 100 tokens do not fit in 64: only `other` takes them
+            api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100)
+        assert not short.generate_requests() and len(other.generate_requests()) == 4
+        gateway.assert_no_leaks()
+
+
+def test_mismatches_and_another_tokenizer_are_held_out(stack: RunningStack, tmp_path: Path) -> None:
+    canary = render_canary(stack)
+    short, blocks = EngineSim(max_model_len=64, canary_ids=canary), EngineSim(block_size=16)
+    stranger, good = EngineSim(canary_ids=[*canary[:-1], canary[-1] + 1]), EngineSim(canary_ids=canary)
+    sims = [short, blocks, stranger, good]
+    capabilities = {"on_mismatch": "hold_out", **FAST_RETRY}
+    with sims_gateway(stack, tmp_path, sims, capabilities=capabilities, logging={"format": "json"}) as gateway:
+        records = engines(gateway)
+        assert records[short.address]["held_out"] == "differs from config: max_model_len 64 (config 2048)"
+        assert records[blocks.address]["held_out"] == "differs from config: block_size 16 (config 128)"
+        assert records[stranger.address]["held_out"] == "tokenizer mismatch: canary ids differ"
+        assert records[stranger.address]["tokenizer"] == "mismatch"
+        assert records[good.address]["routes"] and records[good.address]["tokenizer"] == "agrees"
+        api = client(gateway)
+        for _ in range(6):
+            api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        assert [len(sim.generate_requests()) for sim in sims] == [0, 0, 0, 6]
+        log = gateway.gateway.processes["processor"].log_path.read_text()
+        assert f"engine {stranger.address} held out: tokenizer mismatch" in log
+        info = gateway.metrics()
+        assert info[("tito_instance_routes", frozenset({("instance", good.address)}))] == 1
+        assert info[("tito_instance_routes", frozenset({("instance", stranger.address)}))] == 0
+        gateway.assert_no_leaks()
+
+
+def test_a_render_endpoint_whose_canary_differs_is_not_used(stack: RunningStack, tmp_path: Path) -> None:
+    """Both engines tokenize the canary alike, render otherwise: render is the odd one out,
+    and requests are tokenized locally (served natively) until it agrees again."""
+    other = [7, 8, 9]
+    sims = [EngineSim(canary_ids=other), EngineSim(canary_ids=other)]
+    with sims_gateway(stack, tmp_path, sims) as gateway:
+        state = gateway.state()
+        assert state["tokenization"]["render_held_out"] == "render_canary_mismatch"
+        assert [r["used"] for r in state["capabilities"]["render"].values()] == [False]
+        assert all(r["routes"] for r in state["capabilities"]["engines"].values())
+        answer = client(gateway).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        assert answer.choices[0].message.content  # the local tokenizer's ids, the native path
+        assert {r.path for sim in sims for r in sim.received} == {"/v1/chat/completions"}
+        assert gateway.state()["tokenization"]["fallbacks"] == {"render_canary_mismatch": 1}
+        gateway.assert_no_leaks()
+
+
+def test_an_engine_that_appears_later_joins_and_ready_waits_for_it(stack: RunningStack, tmp_path: Path) -> None:
+    """No engine answers at start: `/ready` is 503 (Envoy sends nothing). The engine comes up
+    20 s later and joins without a restart."""
+    sim = EngineSim()
+    server = SimServer(sim).start()
+    server.stop()  # its port is known, nothing listens on it yet
+    sections = {"model": {**stack.config.model.model_dump(), "path": stack.model_path}, "capabilities": FAST_RETRY}
+    config = gateway_config(
+        tmp_path, stack.config.render_config.endpoint.port, [Endpoint(port=sim.port)], None, **sections
+    )
+    gateway = LocalStack(config, tmp_path)
+    admin = f"http://127.0.0.1:{config.processor.admin_port}"
+    try:
+        gateway.start_gateway()
+        wait_for(lambda: _get(admin + "/debug/state") is not None, 30)
+        started = time.monotonic()
+        while time.monotonic() - started < 20:
+            ready = httpx.get(admin + "/ready", timeout=5, trust_env=False)
+            assert ready.status_code == 503 and ready.json()["capabilities"] is False
+            time.sleep(2)
+        server.restart()
+        wait_for(lambda: httpx.get(admin + "/ready", timeout=5, trust_env=False).status_code == 200, 10)
+        api = OpenAI(base_url=f"http://127.0.0.1:{config.listener.port}/v1", api_key="unused", max_retries=0)
+        wait_for(lambda: _serves(api), 15)  # Envoy's health check of the processor passes too
+        assert sim.generate_requests()
+    finally:
+        gateway.stop()
+        server.close()
+
+
+def _get(url: str) -> Any:
+    try:
+        return httpx.get(url, timeout=2, trust_env=False).json()
+    except httpx.HTTPError:
+        return None
+
+
+def _serves(api: OpenAI) -> bool:
+    try:
+        api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+    return True

@@ -1,0 +1,168 @@
+"""Capability records: what vLLM 0.32's answers parse into (golden bodies captured from a CPU
+engine and render server) and what a record decides (routes, token-only, adopt, hold out)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ext_proc.legs.capabilities import parse_cache_config, parse_kv_event_sources, parse_models, parse_tokenized
+from scheduler import KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
+from scheduler.capabilities import (
+    EngineCapabilities,
+    Expected,
+    TokenOnlyRoute,
+    assess,
+    canary_reference,
+    ready_pools,
+    token_only_route,
+)
+
+# `GET /v1/models` of `vllm serve` 0.32 (permission list cut), plus one LoRA adapter entry
+MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "tiny",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "/cache/tiny-qwen3-v2",
+            "parent": None,
+            "max_model_len": 2048,
+        },
+        {"id": "sql-lora", "object": "model", "owned_by": "vllm", "root": "/adapters/sql", "parent": "tiny"},
+    ],
+}
+# `vllm:cache_config_info` of a CPU engine (labels cut to a few around the ones read)
+CACHE_INFO = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+    'enable_prefix_caching="True",engine="0",hash_block_size="None",kv_cache_size_tokens="1048576",'
+    'num_gpu_blocks="8192",prefix_caching_hash_algo="sha256_cbor",sliding_window="None"} 1.0'
+)
+EXPECTED = Expected("tiny", 2048, 128, "sha256_cbor")
+
+
+def record(**fields: object) -> EngineCapabilities:
+    base: dict[str, object] = {
+        "version": "0.32.0",
+        "served_models": ("tiny",),
+        "max_model_len": 2048,
+        "block_size": 128,
+        "hash_algo": "sha256_cbor",
+        "token_only": TokenOnlyRoute.LIVE,
+        "canary": (1, 2, 3),
+    }
+    return EngineCapabilities("10.0.0.1:8000", **{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_vllm_answers_parse_into_a_record() -> None:
+    assert parse_models(MODELS) == {
+        "served_models": ("tiny",),
+        "root": "/cache/tiny-qwen3-v2",
+        "max_model_len": 2048,
+        "lora_adapters": ("sql-lora",),
+    }
+    text = "# HELP vllm:cache_config_info Information\n# TYPE vllm:cache_config_info gauge\n" + CACHE_INFO + "\n"
+    assert parse_cache_config(text) == {"block_size": 128, "hash_algo": "sha256_cbor"}
+    assert parse_cache_config("vllm:num_requests_running 0.0\n") == {}  # a render server's /metrics
+    sources = {"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}}
+    assert parse_kv_event_sources(sources) == ("tcp://*:5557",)
+    assert parse_kv_event_sources({}) == ()
+    assert parse_tokenized({"count": 3, "max_model_len": 2048, "tokens": [1, 767, 205], "token_strs": None}) == (
+        1,
+        767,
+        205,
+    )
+    assert parse_tokenized({"detail": "Not Found"}) is None
+    with pytest.raises(ValueError):
+        parse_models({"detail": "Not Found"})
+
+
+@pytest.mark.parametrize(
+    ("status", "route"),
+    [
+        (400, TokenOnlyRoute.LIVE),  # `{}` fails validation: the route is there
+        (403, TokenOnlyRoute.DISABLED),  # vLLM 0.32 without --enable-scale-out
+        (404, TokenOnlyRoute.ABSENT),
+        (501, TokenOnlyRoute.ABSENT),
+        (401, TokenOnlyRoute.AUTH),
+        (500, TokenOnlyRoute.UNKNOWN),
+    ],
+)
+def test_the_token_only_probe(status: int, route: TokenOnlyRoute) -> None:
+    assert token_only_route(status) is route
+
+
+def test_a_matching_engine_routes_token_only() -> None:
+    verdict = assess(record(), EXPECTED, "adopt", (1, 2, 3))
+    assert (verdict.routes, verdict.token_only, verdict.differences, verdict.held_out) == (True, True, (), None)
+
+
+def test_an_engine_without_scale_out_routes_natively_unless_obfuscation_forbids_it() -> None:
+    plain = record(token_only=TokenOnlyRoute.DISABLED)
+    assert (assess(plain, EXPECTED, "adopt", None).routes, assess(plain, EXPECTED, "adopt", None).token_only) == (
+        True,
+        False,
+    )
+    closed = assess(plain, EXPECTED, "adopt", None, native_allowed=False)
+    assert not closed.routes and "obfuscation" in str(closed.held_out)
+
+
+@pytest.mark.parametrize(
+    ("fields", "difference", "adopted"),
+    [
+        ({"block_size": 16}, "block_size 16 (config 128)", {"block_size": 16}),
+        ({"max_model_len": 1024}, "max_model_len 1024 (config 2048)", {"max_model_len": 1024}),
+        ({"hash_algo": "sha256"}, "hash_algo sha256 (config sha256_cbor)", {"hash_algo": "sha256"}),
+    ],
+)
+def test_a_difference_from_config_is_adopted_or_held_out(
+    fields: dict[str, object], difference: str, adopted: dict[str, object]
+) -> None:
+    verdict = assess(record(**fields), EXPECTED, "adopt", None)
+    assert verdict.routes and verdict.differences == (difference,) and dict(verdict.adopted) == adopted
+    held = assess(record(**fields), EXPECTED, "hold_out", None)
+    assert not held.routes and held.held_out == f"differs from config: {difference}"
+
+
+def test_a_tokenizer_mismatch_always_holds_out() -> None:
+    for policy in ("adopt", "hold_out"):
+        verdict = assess(record(canary=(1, 2, 4)), EXPECTED, policy, (1, 2, 3))
+        assert not verdict.routes and "tokenizer mismatch" in str(verdict.held_out)
+    assert assess(record(canary=None), EXPECTED, "hold_out", (1, 2, 3)).routes  # no /tokenize: unchecked
+
+
+def test_no_record_or_another_model_does_not_route() -> None:
+    assert assess(None, EXPECTED, "adopt", None).held_out == "no capability record: not probed yet"
+    failed = EngineCapabilities("10.0.0.1:8000", error="ConnectError")
+    assert assess(failed, EXPECTED, "adopt", None).held_out == "no capability record: ConnectError"
+    assert not assess(record(served_models=("other",)), EXPECTED, "adopt", None).routes
+
+
+def test_the_canary_reference_is_what_most_endpoints_agree_on_ties_to_render() -> None:
+    render = {"http://render:8100": (1, 2, 3)}
+    assert canary_reference(render, [(9, 9), None]) == (1, 2, 3)  # one against one: render's
+    assert canary_reference(render, [(9, 9), (9, 9)]) == (9, 9)  # the engines agree: render is the odd one
+    assert canary_reference({"in_process": None}, [None]) is None
+
+
+def test_ready_when_every_pool_has_an_engine_that_routes() -> None:
+    assert ready_pools({"prefill": [False, True], "decode": [True]}) == {"prefill": True, "decode": True}
+    assert ready_pools({"union": [False, False]}) == {"union": False}
+
+
+def test_a_gated_scheduler_routes_only_what_its_records_let_route() -> None:
+    pool = Pool.of("union", Role.UNION, ["a:1", "b:2"], block_size=4)
+    scheduler = Scheduler([pool], KvCacheAffinity(), gated=True)
+    request = ScheduleRequest("r", [1, 2, 3, 4, 5], max_tokens=8)
+    rejected = scheduler.pick(request, 0.0)
+    assert rejected.status == 503 and "a:1: no capability record yet" in rejected.reason  # type: ignore[union-attr]
+    scheduler.set_capabilities("b:2", None, token_only=False)
+    pick = scheduler.pick(request, 0.0)
+    assert pick.instance.address == "b:2" and not scheduler.supports_token_only("b:2")  # type: ignore[union-attr]
+    scheduler.set_capabilities("a:1", None, token_only=True, max_model_len=10)  # holds 10 tokens: 13 do not fit
+    assert scheduler.pick(request, 0.0).instance.address == "b:2"  # type: ignore[union-attr]
+    scheduler.set_capabilities("b:2", "tokenizer mismatch", token_only=False)
+    too_long = scheduler.pick(request, 0.0)
+    assert too_long.status == 400 and "needs 13 tokens" in too_long.reason  # type: ignore[union-attr]
+    scheduler.adopt_block_size(Role.UNION, 2)
+    assert scheduler.block_size(Role.UNION) == 2
