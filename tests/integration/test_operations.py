@@ -153,7 +153,8 @@ def _post(gateway: SimGateway, body: dict[str, Any]) -> httpx.Response:
 
 
 def test_ready_is_false_while_every_engine_breaker_is_open(one_engine: SimGateway) -> None:
-    assert _ready(one_engine) == (200, {"ready": True, "serving": True, "tokenization": True, "engines": True})
+    ready = {"ready": True, "serving": True, "tokenization": True, "engines": True, "capabilities": True}
+    assert _ready(one_engine) == (200, ready)
     one_engine.sims[0].fault = Fault("status", status=500)
     assert _post(one_engine, CHAT).status_code == 500  # the failure opens the only breaker
     opened = time.monotonic()
