@@ -153,12 +153,11 @@ class EngineSim:
     kv_events: SimKvEvents | None = None  # `publish_kv_events`: what --kv-events-config publishes
     # What capability negotiation reads: vLLM's version, the context it announces, whether it
     # runs with --enable-scale-out (else generate answers 0.32's 403), the prefix-caching hash
-    # it reports (sha256_cbor once it publishes KV events, as --kv-events-config goes with
-    # --prefix-caching-hash-algo sha256_cbor), and its tokenization of the gateway's canary chat (None: no /tokenize).
+    # it reports, and its tokenization of the gateway's canary chat (None: no /tokenize).
     version: str = "0.32.0"
     max_model_len: int = 2048
     scale_out: bool = True
-    hash_algo: str = "sha256"
+    hash_algo: str = "sha256_cbor"  # what `tito up` starts engines with (the gateway's KV-event hash)
     canary_ids: list[int] | None = None
     probes: list[str] = field(default_factory=list)  # paths the gateway's capability probes asked for
 
@@ -471,7 +470,7 @@ class EngineSim:
         labels = f'engine="0",model_name="{self.model}"'
         cache = (
             f'block_size="{self.block_size}",cache_dtype="auto",engine="0",num_gpu_blocks="{self.kv_blocks}",'
-            f'prefix_caching_hash_algo="{"sha256_cbor" if self.kv_events else self.hash_algo}"'
+            f'prefix_caching_hash_algo="{self.hash_algo}"'
         )
         lines = [
             "# TYPE vllm:num_requests_running gauge",

@@ -172,8 +172,8 @@ class _Prober:
             else:
                 response = await self._post(url + request.api.render_path, body)
                 tokenized = rendered(request, response.status_code, response.content)
-        except (RenderRejected, RenderUnavailable, httpx.HTTPError) as exc:
-            return RenderCapabilities(endpoint, probed_at=now, error=f"canary not rendered: {exc!r}")
+        except (RenderRejected, RenderUnavailable) as exc:
+            raise ValueError(f"canary not rendered: {exc}") from exc
         record = RenderCapabilities(endpoint, canary=tuple(tokenized.prompts[0].token_ids), probed_at=now)
         if url is None:
             return replace(record, served_models=(self._served_name,))
@@ -263,16 +263,15 @@ class Capabilities:
     async def _probe(self, name: str) -> None:
         now = self._clock()
         is_render = name in self.renders
+        failure = None
         try:
             if is_render:
                 renderer = self._tokenization.renderer
                 assert renderer is not None
                 record: Any = await self._prober.render(name, self._render_url, renderer, now)
-                failure = record.error
             else:
                 record = await self._prober.engine(name, now)
-                failure = None
-        except (httpx.HTTPError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the endpoint is probed again later
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             old = (self.renders if is_render else self.engines)[name]
             if old is None or old.error is None:

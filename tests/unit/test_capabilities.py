@@ -3,10 +3,20 @@ engine and render server) and what a record decides (routes, token-only, adopt, 
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from ext_proc.legs.capabilities import parse_cache_config, parse_kv_event_sources, parse_models, parse_tokenized
-from scheduler import KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
+from ext_proc.config import TitoConfig
+from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.legs.capabilities import (
+    Capabilities,
+    parse_cache_config,
+    parse_kv_event_sources,
+    parse_models,
+    parse_tokenized,
+)
+from ext_proc.server import build_scheduler
+from scheduler import BreakerConfig, CircuitBreaker, KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
 from scheduler.capabilities import (
     EngineCapabilities,
     Expected,
@@ -166,3 +176,59 @@ def test_a_gated_scheduler_routes_only_what_its_records_let_route() -> None:
     assert too_long.status == 400 and "needs 13 tokens" in too_long.reason  # type: ignore[union-attr]
     scheduler.adopt_block_size(Role.UNION, 2)
     assert scheduler.block_size(Role.UNION) == 2
+
+
+class _Engines:
+    """httpx transport answering probes as vLLM 0.32 engines do; `down` refuse connections."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+        self.block_size = 128
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = f"{request.url.host}:{request.url.port}"
+        if host in self.down:
+            raise httpx.ConnectError("refused", request=request)
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        if path == "/inference/v1/generate":
+            return httpx.Response(400, json={"error": {"message": "token_ids: Field required"}})
+        if path == "/metrics":
+            return httpx.Response(200, text=CACHE_INFO.replace('block_size="128"', f'block_size="{self.block_size}"'))
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+async def test_a_failed_refresh_keeps_the_last_record_and_backs_off() -> None:
+    config = TitoConfig.model_validate(
+        {
+            "render_config": {"enable": False},
+            "pools": [{"instances": [{"port": 1}, {"port": 2}]}],
+            "capabilities": {"retry_min_s": 0.5, "retry_max_s": 2.0, "interval_s": 30},
+            "scheduler": {"prefix_source": "routing"},
+        }
+    )
+    engines, now = _Engines(), [100.0]
+    engines.down.add("127.0.0.1:2")
+    scheduler = build_scheduler(config, gated=True)
+    tokenization = TokenizationService(None, CircuitBreaker(BreakerConfig()), LocalTokenizer(None))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        capabilities = Capabilities(config, scheduler, tokenization, http, clock=lambda: now[0])
+        await capabilities.refresh()
+        assert scheduler.held_out == {"127.0.0.1:2": "no capability record: ConnectError: refused"}
+        assert capabilities.ready()  # one engine of the pool routes
+        assert [capabilities._due[a].at - now[0] for a in ("127.0.0.1:1", "127.0.0.1:2")] == [30, 0.5]
+        for expected in (1.0, 2.0, 2.0):  # doubling up to retry_max_s
+            await capabilities.refresh(["127.0.0.1:2"])
+            assert capabilities._due["127.0.0.1:2"].at - now[0] == expected
+        engines.down = {"127.0.0.1:1"}  # the first goes away, the second comes up: it joins
+        engines.block_size = 16
+        await capabilities.refresh()
+        assert scheduler.held_out == {}
+        stale = capabilities.engines["127.0.0.1:1"]
+        assert stale is not None and stale.complete and stale.block_size == 128 and "refused" in str(stale.error)
+        # the pool's configured 128 is still what the first engine hashes: the second's
+        # events are not used for the index, and the pool keeps its size
+        assert scheduler.block_size(Role.UNION) == 128 and scheduler.events_ignored == {"127.0.0.1:2"}
