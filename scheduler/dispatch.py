@@ -330,7 +330,9 @@ class Scheduler:
         instance = next((i for i in self.instances if i.address == address), None)
         index = self.prefix_indexes.get(instance.role) if instance is not None else None
         if index is None or address in self.events_ignored:
-            return  # a decode instance: its cache is filled by handoffs, not scheduled on
+            # a decode instance (its cache is filled by handoffs, not scheduled on), or one
+            # whose events are hashed unlike the index
+            return
         for event in events:
             if isinstance(event, BlockStored):
                 index.record(event.block_hashes, address)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
-from ext_proc.config import TitoConfig
+from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, rendered
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
@@ -310,45 +310,47 @@ class Capabilities:
         self._tokenization.hold_out_render(None if all(self.render_used.values()) else "render_canary_mismatch")
         native_allowed = not self._config.obfuscation.enable
         for pool in self._config.pools:
-            role = Role(pool.role)
             for instance in pool.instances:
-                expected = Expected(
-                    self._config.model.served_name,
-                    self._config.model.max_model_len,
-                    pool.block_size,
-                    "sha256_cbor"
-                    if instance.kv_events and self._config.scheduler.prefix_source == "kv_events"
-                    else None,
-                )
                 record = self.engines[instance.address]
-                verdict = assess(record, expected, self._settings.on_mismatch, reference, native_allowed)
-                self._apply(instance.address, role, verdict)
+                verdict = assess(
+                    record, self._expected(pool, instance), self._settings.on_mismatch, reference, native_allowed
+                )
+                self._apply(instance.address, Role(pool.role), verdict)
+
+    def _expected(self, pool: PoolConfig, instance: InstanceConfig) -> Expected:
+        """What the config says: the model, its context, the pool's block size, and the hash
+        the prefix index computes when the instance's KV events feed it."""
+        events = instance.kv_events is not None and self._config.scheduler.prefix_source == "kv_events"
+        model = self._config.model
+        return Expected(model.served_name, model.max_model_len, pool.block_size, "sha256_cbor" if events else None)
 
     def _apply(self, address: str, role: Role, verdict: Assessment) -> None:
         before = self.assessments.get(address)
         self.assessments[address] = verdict
         adopted = verdict.adopted
-        self._scheduler.set_capabilities(address, verdict.held_out, verdict.token_only, adopted.get("max_model_len"))  # type: ignore[arg-type]
+        context = adopted.get("max_model_len")
+        self._scheduler.set_capabilities(
+            address, verdict.held_out, verdict.token_only, context if isinstance(context, int) else None
+        )
         block = adopted.get("block_size")
         if isinstance(block, int) and not self._others_use(address, role, self._scheduler.block_size(role)):
-            self._scheduler.adopt_block_size(role, block)
+            self._scheduler.adopt_block_size(role, block)  # no engine of the pool hashes the configured size
         index_size = self._scheduler.block_size(role)
         record = self.engines[address]
-        other_hash = "hash_algo" in adopted or (record is not None and record.block_size not in (None, index_size))
-        self._scheduler.ignore_kv_events(address, verdict.routes and index_size is not None and other_hash)
+        unlike_index = "hash_algo" in adopted or (record is not None and record.block_size not in (None, index_size))
+        self._scheduler.ignore_kv_events(address, verdict.routes and index_size is not None and unlike_index)
         if before != verdict:
             self._log(address, verdict)
 
     def _others_use(self, address: str, role: Role, block_size: int | None) -> bool:
-        """Another routable engine of the role's pool hashes blocks of this size."""
-        return any(
-            a != address
-            and self.assessments.get(a, Assessment(False, False)).routes
-            and r is not None
-            and r.block_size == block_size
-            for i in self._scheduler.pools[role].instances
-            for a, r in [(i.address, self.engines.get(i.address))]
-        )
+        """Another engine of the role's pool routes and hashes blocks of this size."""
+        for instance in self._scheduler.pools[role].instances:
+            record, verdict = self.engines.get(instance.address), self.assessments.get(instance.address)
+            if instance.address == address or record is None or verdict is None:
+                continue
+            if verdict.routes and record.block_size == block_size:
+                return True
+        return False
 
     def _log(self, address: str, verdict: Assessment) -> None:
         if not verdict.routes:
