@@ -224,6 +224,9 @@ class EngineSim:
 
     async def generate(self, request: Request) -> Response:
         body = json.loads(await self._record(request))
+        absent = self.fault is not None and self.fault.kind == "status" and self.fault.status in (404, 405, 501)
+        if absent and _is_probe(request):  # a route that is missing is missing for the probe too
+            return JSONResponse({"detail": "Not Found"}, status_code=self.fault.status)  # type: ignore[union-attr]
         if not self.scale_out:  # what vLLM 0.32 answers without --enable-scale-out
             message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
             return _error(403, message, "PermissionDeniedError")

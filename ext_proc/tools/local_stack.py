@@ -203,9 +203,7 @@ class LocalStack:
     def wait_ready(self) -> None:
         checks: dict[str, Callable[[], bool]] = {
             "render": lambda: _http_ready(self.config.render_config.endpoint.url + "/health"),
-            "processor": lambda: all(
-                _port_open(self.config.processor.host, port) for port, _ in self.config.processor.worker_ports()
-            ),
+            "processor": self._processor_ready,
             "envoy": lambda: _envoy_ready(self.config.listener.admin_port),
         }
         for name, _, instance in self.engines():
@@ -223,6 +221,23 @@ class LocalStack:
                 raise StackError(f"not ready after {self.config.local.startup_timeout_s}s: {sorted(pending)}")
             if pending:
                 time.sleep(0.5)
+
+    def _processor_ready(self) -> bool:
+        """Every worker listens and, with capability negotiation on, has probed every engine
+        once (the stack is up when each engine serves as its record says, not only the first)."""
+        processor = self.config.processor
+        if not all(_port_open(processor.host, port) for port, _ in processor.worker_ports()):
+            return False
+        if not self.config.capabilities.enable:
+            return True
+        for _, admin in processor.worker_ports():
+            try:
+                state = httpx.get(f"http://{processor.host}:{admin}/debug/state", timeout=2, trust_env=False).json()
+            except (httpx.HTTPError, ValueError):
+                return False
+            if not all(record["complete"] for record in state["capabilities"]["engines"].values()):
+                return False
+        return True
 
     def start(self) -> None:
         try:

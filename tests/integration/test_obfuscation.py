@@ -7,6 +7,7 @@ the local tokenizer or the native path (both would hand the engine plaintext).""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,14 +188,20 @@ def test_an_id_outside_the_vocabulary_is_a_400(gw: Pair) -> None:
 
 
 def test_an_engine_without_token_only_generate_is_a_503_with_no_native_call(gw: Pair) -> None:
-    """Last in the module: the processor remembers the instance for its life."""
-    gw.obfuscated.sims[0].fault = Fault("status", status=404, times=1)
+    """Last in the module: the engine loses its token-only route while the gateway runs."""
+    sim = gw.obfuscated.sims[0]
+    sim.fault = Fault("status", status=404)
     response = _post(gw.obfuscated, "/v1/completions", COMPLETION)
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "token_only_required"
-    assert [r.path for r in gw.obfuscated.sims[0].received] == ["/inference/v1/generate"]
-    # Remembered: a stream is refused before any engine call, where it would have gone native.
+    assert [r.path for r in sim.received] == ["/inference/v1/generate"]
+    # Its record is refreshed at once and holds it out: a stream is refused before any engine
+    # call, where it would have gone native.
+    deadline = time.monotonic() + 10
+    while "obfuscation" not in str(gw.obfuscated.state()["capabilities"]["engines"][sim.address].get("held_out")):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     again = _post(gw.obfuscated, "/v1/chat/completions", {**CHAT, "stream": True})
     assert again.status_code == 503, again.text
-    assert again.json()["error"]["code"] == "token_only_required"
-    assert [r.path for r in gw.obfuscated.sims[0].received] == ["/inference/v1/generate"]
+    assert "token obfuscation forbids its native endpoint" in again.json()["error"]["message"]
+    assert [r.path for r in sim.received] == ["/inference/v1/generate"]
