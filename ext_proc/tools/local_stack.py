@@ -235,7 +235,8 @@ class LocalStack:
                 state = httpx.get(f"http://{processor.host}:{admin}/debug/state", timeout=2, trust_env=False).json()
             except (httpx.HTTPError, ValueError):
                 return False
-            if not all(record["complete"] for record in state["capabilities"]["engines"].values()):
+            engines = state.get("capabilities", {}).get("engines", {})  # none: probing is off there
+            if not all(record["complete"] for record in engines.values()):
                 return False
         return True
 
