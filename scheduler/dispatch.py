@@ -216,8 +216,11 @@ class Scheduler:
             for n, i in enumerate(pool.instances if pool else ())
             if i.address not in skip and (needs is None or needs in i.capabilities)
         ]
+        if not eligible:
+            kind = f"{role.value} engine instance" + (f" with {needs.value}" if needs is not None else "")
+            return Rejection(503, f"no {kind}" + (" left to try" if skip else ""))
         usable = [(n, i) for n, i in eligible if i.address not in self.held_out]
-        if eligible and not usable:
+        if not usable:
             reasons = "; ".join(f"{i.address}: {self.held_out[i.address]}" for _, i in eligible)
             return Rejection(503, f"no {role.value} engine instance routes ({reasons})")
         fits = [(n, i) for n, i in usable if self._fits(i.address, request)]

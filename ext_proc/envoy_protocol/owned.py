@@ -34,6 +34,7 @@ class OwnedAnswer:
             config.listener.stream_idle_timeout_s,
             config.processor.max_response_bytes,
             services.codec,
+            services.triggers,
         )
         self._stream = stream
         self._record = record

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,11 @@ from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.legs.generate import Opened, open_generate, read_whole
+from ext_proc.legs.prefill import prefilled
+from ext_proc.legs.trigger import Triggers
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import CHUNK_SAMPLE, current
-from ext_proc.planning.plan import Leg, Owned
+from ext_proc.planning.plan import Leg, Local, Owned, TokenOnly
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import PromptTokens
 
@@ -49,6 +51,7 @@ class OwnedContext:
     idle_timeout_s: float
     max_response_bytes: int
     codec: TokenCodec | None = None  # token obfuscation: a relay's prompt in physical ids too
+    triggers: Triggers | None = None  # Trigger decode legs wait here for their engine's callback
 
 
 class EngineFailure(Exception):
@@ -67,6 +70,8 @@ class PromptStream:
         self.completion_tokens = 0
         self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them
         self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
+        self._tasks: set[asyncio.Task[Any]] = set()  # Trigger prefill legs run on callback
+        self._hold(self._leg)
         self._opened: Opened | None = None
         self.attempts = 0
         self._record = current()
@@ -79,21 +84,74 @@ class PromptStream:
 
     # -- opening ---------------------------------------------------------------------
 
+    def _hold(self, leg: Leg) -> None:
+        """A committed leg's leases are this stream's to give back, whatever happens next."""
+        for lease in (leg.lease_id, leg.prefill.lease_id if leg.prefill is not None else None):
+            if lease is not None:
+                self._open_leases.setdefault(lease, [])
+
     async def open(self) -> None:
-        """The current leg's engine answers 200 (GatewayError: no host did)."""
+        """The current leg's engine answers 200 (GatewayError: no host did). Under Handoff
+        its prefill leg runs first."""
+        params = None
+        if self._leg.prefill is not None:
+            params = await self._prefill()
+        elif self._leg.trigger:
+            params = self._expect_callback()
         leg = self._leg
         failed = self._open_leases.setdefault(leg.lease_id, [])
         trace = {} if self._record is None else self._record.leg(leg.lease_id, leg.hosts, "owned")
         self._opened = await open_generate(
-            self._ctx.http, leg.hosts, self._body(leg), self._ctx.idle_timeout_s, failed, trace
+            self._ctx.http, leg.hosts, self._body(leg, params), self._ctx.idle_timeout_s, failed, trace
         )
 
-    def _body(self, leg: Leg) -> bytes:
+    async def _prefill(self) -> dict[str, Any] | None:
+        """Handoff: the prompt's prefill leg (retried on other prefill instances), leaving the
+        decode leg and what prefill returned for it; with no prefill anywhere, the prompt on
+        one instance alone (PD-hybrid), else GatewayError. Every prefill lease is back."""
+        leg = self._leg
+        assert leg.prefill is not None
+        planner = self._ctx.planner
+        plan = await prefilled(
+            planner.handoff_plan(self._plan.tokenized, leg), planner, self._ctx.http, self._ctx.idle_timeout_s
+        )
+        self._open_leases.pop(leg.prefill.lease_id, None)  # `prefilled` gave it back
+        if isinstance(plan, Local):  # the decode lease went back too
+            self._open_leases.pop(leg.lease_id, None)
+            raise GatewayError(plan.status, "", body=plan.body)
+        assert isinstance(plan, TokenOnly)
+        if plan.routed.lease_id != leg.lease_id:  # served alone: decode's lease went back, this one is held
+            self._open_leases.pop(leg.lease_id, None)
+        self._leg = plan.routed
+        return plan.kv_transfer_params
+
+    def _expect_callback(self) -> dict[str, Any] | None:
+        """Trigger: the decode leg goes first with a metaserver of this attempt; its engine's
+        callback brings the prefill leg (`legs/trigger.py`), run among this stream's tasks."""
+        assert self._ctx.triggers is not None
+        plan = self._ctx.planner.trigger_plan(self._plan.tokenized, self._leg, self.attempts)
+        self._ctx.triggers.expect(plan, self._spawn)
+        return plan.kv_transfer_params
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _body(self, leg: Leg, kv_transfer_params: dict[str, Any] | None) -> bytes:
         min_tokens = self._first.prompt.sampling_params.get("min_tokens")
         if self.committed and min_tokens:
             min_tokens = max(0, int(min_tokens) - len(self.committed))
         api = self._plan.tokenized.api
-        return generate_body(leg.prompt, leg.max_tokens, api, request_id=leg.lease_id, min_tokens=min_tokens or None)
+        return generate_body(
+            leg.prompt,
+            leg.max_tokens,
+            api,
+            request_id=leg.lease_id,
+            min_tokens=min_tokens or None,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     # -- non-streaming ----------------------------------------------------------------
 
@@ -183,6 +241,8 @@ class PromptStream:
         data = await self._session.steps(events)
         if record is not None:
             record.derendered(started)
+        if self._leg.trigger and self._ctx.triggers is not None:  # its prefill leg's tokens go back
+            self._ctx.triggers.first_chunk(self._leg.lease_id)
         for event, _ in events:
             for choice in event.get("choices") or ():
                 ids = choice.get("token_ids") or []
@@ -220,7 +280,8 @@ class PromptStream:
         tried = tuple(h for hosts in self._open_leases.values() for h in hosts)
         self._leg = self._ctx.planner.prompt_leg(
             self._plan.tokenized, f"{self._first.lease_id}-relay{self.attempts}", prompt, max_tokens=left, exclude=tried
-        )
+        )  # under Handoff: a new prefill leg of the replay prompt, then a new decode leg
+        self._hold(self._leg)
         if self._record is not None:
             self._record.relayed(self._leg.lease_id, failed_host, self._leg.hosts[0], len(self.committed), why)
         await self.open()
@@ -245,6 +306,7 @@ class PromptStream:
         opened, self._opened = self._opened, None
         if opened is not None:
             await opened.response.aclose()
+        self._forget_trigger()
         failed = self._open_leases.pop(self._leg.lease_id, None)
         if failed is not None:
             served_by = opened.host if served and opened is not None else None
@@ -254,13 +316,23 @@ class PromptStream:
                 self._record.leg_done(self._leg.lease_id, served_by, tuple(retried))
 
     async def aclose(self) -> None:
-        """Cancelled or failed: the stream closed, every lease back (no verdict)."""
+        """Cancelled or failed: the stream closed, a Trigger prefill leg in flight cancelled,
+        every lease back (no verdict)."""
         opened, self._opened = self._opened, None
         if opened is not None:
             await opened.response.aclose()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.release()
 
+    def _forget_trigger(self) -> None:
+        """The Trigger decode leg is over: no callback is expected, its prefill lease is back."""
+        if self._leg.trigger and self._ctx.triggers is not None:
+            self._ctx.triggers.forget(self._leg.lease_id)
+
     def release(self) -> None:
+        self._forget_trigger()
         for lease, failed in list(self._open_leases.items()):
             self._ctx.planner.finish(lease, tuple(failed))
         self._open_leases.clear()

@@ -11,6 +11,7 @@ A `Plan` is one of:
 - `Owned`: token-only generate the processor runs itself and answers with a streamed local
   response: fan-out (one leg per prompt of a batch, merged) and relay (one prompt, moved to
   another instance when its engine fails mid-stream): `legs/fanout.py`, `legs/relay.py`.
+  Under Handoff each prompt's decode leg carries the prefill leg that goes first.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Leg:
     hosts: tuple[str, ...]  # chosen instance first, then the ones Envoy may retry on
     prompt: PromptTokens
     max_tokens: int
+    # On the processor-owned path, how a decode leg gets its prompt's KV: Handoff runs this
+    # prefill leg first; Trigger sends the decode leg first and its engine calls back.
+    prefill: Leg | None = None
+    trigger: bool = False
 
 
 @dataclass(frozen=True)

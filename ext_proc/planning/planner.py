@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
@@ -44,7 +45,7 @@ class Planner:
         self._clock = clock
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
         decode = config.pool("decode")
-        self._kv_params_required = decode is not None and decode.kv_connector == "nixl"
+        self.kv_params_required = decode is not None and decode.kv_connector == "nixl"
         # Trigger callbacks reach the processor's admin port, never the public listener.
         self.metaserver = f"http://{config.processor.host}:{config.processor.admin_port}/v1/metaserver"
 
@@ -79,20 +80,26 @@ class Planner:
     def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
         now = self._clock()
-        if tokenized.complete and (len(tokenized.prompts) > 1 or self._relays(tokenized)):
+        batch = len(tokenized.prompts) > 1
+        unpaired: Rejection | None = None
+        if batch and self._trigger_batch():  # RFC: Trigger batches stay on the native path
+            if self._config.obfuscation.enable:
+                raise GatewayError(501, TRIGGER_BATCH_OBFUSCATED, code="unsupported_with_obfuscation")
+        elif tokenized.complete and (batch or self._relays(tokenized)):
             owned = self._owned(tokenized, now)
             if owned is not None:
                 return owned
         elif tokenized.complete:
             pair = self._pair(tokenized, now)
-            if pair is not None:
+            if isinstance(pair, TokenOnly):
                 return pair
-        alone = self._alone(tokenized, now)
+            unpaired = pair
+        alone = self._alone(self._batch_request(tokenized), now, native_batch=batch)
         if isinstance(alone, Rejection):
-            raise rejected(alone)
+            raise rejected(_without_pair(unpaired, alone))
         decision = self._commit_pick(alone)
         if (
-            len(tokenized.prompts) > 1  # an instance without token-only generate serves the batch natively
+            batch  # only a Trigger pool, or an instance without token-only generate, serves a batch natively
             or not tokenized.complete
             or not self.scheduler.supports_token_only(decision.instance.address)
         ):
@@ -112,14 +119,28 @@ class Planner:
             record.committed(decision.request_id, decision.matched_tokens)
         return decision
 
+    @property
+    def _pd(self) -> bool:
+        return Role.PREFILL in self.scheduler.pools and Role.DECODE in self.scheduler.pools
+
+    def _decode_mode(self, mode: Capability) -> bool:
+        """The prefill/decode pools work in this mode (Handoff or Trigger)."""
+        return self._pd and any(mode in i.capabilities for i in self.scheduler.pools[Role.DECODE].instances)
+
+    def _trigger_batch(self) -> bool:
+        """A batch with nothing but a Trigger pool to serve it: the native path (RFC: Trigger
+        多 prompt 流式仍沿用原生链路)."""
+        return Role.UNION not in self.scheduler.pools and self._decode_mode(Capability.TRIGGER)
+
     def _relays(self, tokenized: TokenizedRequest) -> bool:
-        """Streaming single-prompt requests are relayed (processor-owned) when reschedule is on
-        and a union pool serves them (a P/D relay would re-plan prefill too: not built)."""
+        """Streaming single-prompt requests are relayed (processor-owned) when reschedule is on:
+        a relay under Handoff prefills the replay prompt again, one under Trigger sends it
+        decode-first with a new metaserver attempt."""
         return (
             self._config.reschedule.enable
             and tokenized.stream
             and len(tokenized.prompts) == 1
-            and Role.UNION in self.scheduler.pools
+            and (Role.UNION in self.scheduler.pools or self._pd)
         )
 
     def _owned(self, tokenized: TokenizedRequest, now: float) -> Owned | None:
@@ -133,7 +154,8 @@ class Planner:
         except GatewayError:
             self._give_back(legs)
             raise
-        if not all(self.scheduler.supports_token_only(leg.hosts[0]) for leg in legs):
+        engines = [leg.hosts[0] for leg in legs] + [leg.prefill.hosts[0] for leg in legs if leg.prefill is not None]
+        if not all(self.scheduler.supports_token_only(engine) for engine in engines):
             self._give_back(legs)
             return None
         return Owned(_kept(tokenized), tuple(legs), relay=len(legs) == 1)
@@ -147,31 +169,94 @@ class Planner:
         max_tokens: int | None = None,
         exclude: tuple[str, ...] = (),
     ) -> Leg:
-        """One prompt alone on one instance, committed (GatewayError: rejected). A relay
-        passes the prompt grown by the committed ids, the budget left and the instances
-        that failed."""
+        """One prompt's legs, committed (GatewayError: rejected): its prefill and decode legs
+        under Handoff when a healthy pair exists, else one instance alone (PD-hybrid). A
+        relay passes the prompt grown by the committed ids, the budget left and the
+        instances that failed."""
         budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
-        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n)
         now = self._clock() if now is None else now
-        role = Role.UNION if Role.UNION in self.scheduler.pools else Role.DECODE
-        needs = None if role is Role.UNION else Capability.COLOCATION
-        pick = self.scheduler.pick(request, now, role, exclude=exclude, needs=needs)
-        if isinstance(pick, Rejection):
-            raise rejected(pick)
-        decision = self._commit_pick(pick)
-        return Leg(role, decision.request_id, decision.hosts, prompt, budget)
+        paired = self._handoff_pair(lease_id, prompt, budget, tokenized.n, now, exclude)
+        if paired is None and len(tokenized.prompts) == 1:  # (a Trigger pool's batches go native)
+            paired = self._trigger_leg(lease_id, prompt, budget, tokenized.n, now, exclude)
+        if isinstance(paired, Leg):
+            return paired
+        alone = self._alone(ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n), now, exclude)
+        if isinstance(alone, Rejection):
+            raise rejected(_without_pair(paired, alone))
+        decision = self._commit_pick(alone)
+        return Leg(alone.role, decision.request_id, decision.hosts, prompt, budget)
+
+    def _handoff_pair(
+        self, lease_id: str, prompt: PromptTokens, budget: int, n: int, now: float, exclude: tuple[str, ...]
+    ) -> Leg | Rejection | None:
+        """A prompt's decode leg with the prefill leg that goes first, both committed (the
+        decode leg charges no prompt: prefill's leg does); why not; None without Handoff pools."""
+        if not self._decode_mode(Capability.HANDOFF):
+            return None
+        prefill_request = ScheduleRequest(f"{lease_id}-prefill-0", prompt.engine_ids, PREFILL_MAX_TOKENS)
+        prefill = self.scheduler.pick(prefill_request, now, Role.PREFILL, exclude=exclude)
+        if isinstance(prefill, Rejection):
+            return prefill
+        decode_request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False)
+        decode = self.scheduler.pick(decode_request, now, Role.DECODE, exclude=exclude, needs=Capability.HANDOFF)
+        if isinstance(decode, Rejection):
+            return decode
+        first, second = self._commit_pick(prefill), self._commit_pick(decode)
+        prefill_leg = Leg(Role.PREFILL, first.request_id, first.hosts, prompt, PREFILL_MAX_TOKENS)
+        return Leg(Role.DECODE, second.request_id, second.hosts, prompt, budget, prefill=prefill_leg)
+
+    def _trigger_leg(
+        self, lease_id: str, prompt: PromptTokens, budget: int, n: int, now: float, exclude: tuple[str, ...]
+    ) -> Leg | Rejection | None:
+        """A prompt's decode leg under Trigger, committed (its prefill leg is committed when
+        the engine calls back); why not; None without a Trigger pool."""
+        if not self._decode_mode(Capability.TRIGGER):
+            return None
+        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False)
+        decode = self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.TRIGGER)
+        if isinstance(decode, Rejection):
+            return decode
+        decision = self._commit_pick(decode)
+        return Leg(Role.DECODE, decision.request_id, decision.hosts, prompt, budget, trigger=True)
+
+    def trigger_plan(self, tokenized: TokenizedRequest, leg: Leg, attempt: int) -> TokenOnly:
+        """A processor-owned Trigger decode leg as the plan its engine's callback is matched
+        to (`legs/trigger.py`): its prompt alone, the metaserver of this attempt."""
+        alone = replace(tokenized, request_id=leg.lease_id, prompts=[leg.prompt])
+        return TokenOnly(alone, (leg,), kv_transfer_params=self._trigger_params(attempt), trigger_attempt=attempt)
+
+    def _trigger_params(self, attempt: int) -> dict[str, Any]:
+        """Decode first: the engine learns where to call back for its prefill."""
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "metaserver": f"{self.metaserver}?attempt={attempt}",
+        }
+
+    def handoff_plan(self, tokenized: TokenizedRequest, leg: Leg) -> TokenOnly:
+        """A processor-owned decode leg and its prefill leg as the Handoff plan of its prompt
+        alone (what `legs/prefill.py` runs, retries and falls back from)."""
+        assert leg.prefill is not None
+        alone = replace(tokenized, request_id=leg.lease_id, prompts=[leg.prompt])
+        return TokenOnly(alone, (leg.prefill, replace(leg, prefill=None)), kv_params_required=self.kv_params_required)
 
     def _give_back(self, legs: list[Leg]) -> None:
         for leg in legs:
             self.finish(leg.lease_id)
+            if leg.prefill is not None:
+                self.finish(leg.prefill.lease_id)
 
-    def _alone(self, tokenized: TokenizedRequest, now: float) -> Pick | Rejection:
+    def _alone(
+        self, request: ScheduleRequest, now: float, exclude: tuple[str, ...] = (), native_batch: bool = False
+    ) -> Pick | Rejection:
         """One instance serving the whole request: a union instance, else a decode instance
-        that may serve alone."""
-        request = self._batch_request(tokenized)
+        that may serve alone, else (`native_batch`: a batch on the native path) a Trigger one."""
         if Role.UNION in self.scheduler.pools:
-            return self.scheduler.pick(request, now, Role.UNION)
-        return self.scheduler.pick(request, now, Role.DECODE, needs=Capability.COLOCATION)
+            return self.scheduler.pick(request, now, Role.UNION, exclude=exclude)
+        alone = self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.COLOCATION)
+        if isinstance(alone, Rejection) and native_batch and self._trigger_batch():
+            return self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.TRIGGER)
+        return alone
 
     def _batch_request(self, tokenized: TokenizedRequest) -> ScheduleRequest:
         """Admission charges every prompt of the batch and n × max_tokens for each; the
@@ -185,11 +270,12 @@ class Planner:
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
         return ScheduleRequest(tokenized.request_id, first.engine_ids, budget(first), n, others)
 
-    def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | None:
-        """Prefill and decode, when a healthy pair exists (None: serve alone). Trigger when
-        the decode instance calls back for its prefill (the prefill leg is committed only
-        then), else Handoff (the prefill leg goes first)."""
-        if Role.PREFILL not in self.scheduler.pools or Role.DECODE not in self.scheduler.pools:
+    def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | Rejection | None:
+        """Prefill and decode, when a healthy pair exists (else why not, or None without
+        prefill/decode pools: serve alone). Trigger when the decode instance calls back for
+        its prefill (the prefill leg is committed only then), else Handoff (the prefill leg
+        goes first)."""
+        if not self._pd:
             return None
         prompt, rid = tokenized.prompts[0], tokenized.request_id
         max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
@@ -198,22 +284,23 @@ class Planner:
         )
         prefill = self._pick_prefill(tokenized, now, attempt=0)
         if isinstance(prefill, Rejection):
-            return None
+            return prefill
+        unpaired: Rejection | None = None
         for mode in (Capability.TRIGGER, Capability.HANDOFF):
+            if not self._decode_mode(mode):
+                continue
             decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=mode)
             if isinstance(decode, Rejection):
+                unpaired = decode
                 continue
             if mode is Capability.TRIGGER:
-                params = {
-                    "do_remote_decode": False,
-                    "do_remote_prefill": True,
-                    "metaserver": f"{self.metaserver}?attempt=0",
-                }
                 leg = self._commit(decode, tokenized, max_tokens)
-                return TokenOnly(_kept(tokenized), (leg,), kv_transfer_params=params, trigger_attempt=0)
+                return TokenOnly(
+                    _kept(tokenized), (leg,), kv_transfer_params=self._trigger_params(0), trigger_attempt=0
+                )
             legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
-            return TokenOnly(_kept(tokenized), legs, kv_params_required=self._kv_params_required)
-        return None
+            return TokenOnly(_kept(tokenized), legs, kv_params_required=self.kv_params_required)
+        return unpaired
 
     def trigger_prefill(self, plan: TokenOnly) -> Leg | None:
         """The prefill leg a Trigger decode engine called for: picked and committed now."""
@@ -242,7 +329,7 @@ class Planner:
         """Handoff failed before decode (no prefill instance could prefill): its decode lease
         goes back and the request is served alone if anything can (PD-hybrid), else `error`."""
         self.finish(plan.routed.lease_id)
-        alone = self._alone(plan.tokenized, self._clock())
+        alone = self._alone(self._batch_request(plan.tokenized), self._clock())
         if isinstance(alone, Rejection):
             return Local(error.status, error.body)
         decision = self._commit_pick(alone)
@@ -278,6 +365,20 @@ def prefill_body(plan: TokenOnly) -> bytes:
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
     """What the exchange keeps for the life of the stream: no steering fields, no metadata."""
     return replace(tokenized, request=tokenized.request.kept())
+
+
+TRIGGER_BATCH_OBFUSCATED = (
+    "multi-prompt requests on a Trigger prefill/decode pool are served by an engine's native endpoint,"
+    " which token obfuscation forbids"
+)
+
+
+def _without_pair(unpaired: Rejection | None, alone: Rejection) -> Rejection:
+    """Why a request has no instance: with prefill/decode pools, why no pair was found (the
+    instance that may serve alone is only the fallback)."""
+    if unpaired is None or alone.status == 429:
+        return alone
+    return Rejection(unpaired.status, f"no prefill/decode pair available: {unpaired.reason}")
 
 
 def rejected(rejection: Rejection) -> GatewayError:

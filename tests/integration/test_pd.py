@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import RunningStack, SimGateway, start_gateway
@@ -30,13 +31,20 @@ class PdBench:
     def generate_calls(self, role: str) -> list[dict[str, Any]]:
         return [r.json() for sim in self.sims(role) for r in sim.generate_requests()]
 
+    def calls(self, role: str) -> list[tuple[str, dict[str, Any]]]:
+        """(engine, generate body) of every generate the role's engines received."""
+        return [(sim.address, r.json()) for sim in self.sims(role) for r in sim.generate_requests()]
+
 
 @contextlib.contextmanager
-def _pd_gateway(stack: RunningStack, work: Path, decode_capabilities: list[str]) -> Iterator[PdBench]:
+def _pd_gateway(
+    stack: RunningStack, work: Path, decode_capabilities: list[str], union: int = 1, **sections: Any
+) -> Iterator[PdBench]:
     """A gateway of its own per test (breaker state never carries over), ~2 s to start."""
     servers = {
         role: [SimServer(EngineSim()).start() for _ in range(n)]
-        for role, n in (("prefill", 2), ("decode", 2), ("union", 1))
+        for role, n in (("prefill", 2), ("decode", 2), ("union", union))
+        if n
     }
     pools = [
         {
@@ -50,7 +58,7 @@ def _pd_gateway(stack: RunningStack, work: Path, decode_capabilities: list[str])
     ]
     breaker = {"failure_threshold": 1, "base_cooldown_s": 60.0, "max_cooldown_s": 60.0}
     config, gateway = start_gateway(
-        stack, work, [], pools=pools, scheduler={"policy": "round_robin", "breaker": breaker}
+        stack, work, [], pools=pools, scheduler={"policy": "round_robin", "breaker": breaker}, **sections
     )
     bench = PdBench(SimGateway(config, gateway, []), servers)
     try:
@@ -194,3 +202,170 @@ def test_the_metaserver_refuses_unknown_requests_and_stale_attempts(trigger: PdB
     thread.join()
     assert done == [200]
     assert httpx.post(metaserver + "?attempt=0", json=known, timeout=10).status_code == 404  # finished: forgotten
+
+
+# -- processor-owned streams under Handoff: batches and relay ------------------------------------
+
+BATCH = {"model": "tiny", "prompt": ["one", "two two", "three three three"], "max_tokens": 5, "seed": 3}
+RELAY = {"enable": True, "first_token_timeout_s": 2.0, "inter_token_timeout_s": 1.0}
+
+
+@pytest.fixture
+def no_union(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    with _pd_gateway(stack, tmp_path, [], union=0) as pd:
+        yield pd
+
+
+@pytest.fixture
+def relaying(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    with _pd_gateway(stack, tmp_path, [], reschedule=RELAY, logging={"format": "json"}) as pd:
+        yield pd
+
+
+def _payloads(body: str) -> list[Any]:
+    return [line[6:] if line == "data: [DONE]" else orjson.loads(line[6:]) for line in body.split("\n\n") if line]
+
+
+def _pairs(bench: PdBench) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Each decode leg with the prefill leg whose KV it loads (by its params), by prompt."""
+    prefills = {"generate-tokens-" + p["request_id"]: p for p in bench.generate_calls("prefill")}
+    pairs = {}
+    for decode in bench.generate_calls("decode"):
+        prefill = prefills[decode["kv_transfer_params"]["remote_request_id"]]
+        assert decode["token_ids"] == prefill["token_ids"]
+        assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        pairs[str(decode["token_ids"])] = (prefill, decode)
+    return pairs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_a_batch_is_one_handoff_per_prompt_merged_as_one_answer(no_union: PdBench, stream: bool) -> None:
+    body = {**BATCH, "stream": stream, "stream_options": {"include_usage": True}} if stream else BATCH
+    response = httpx.post(no_union.gateway.base_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    pairs = _pairs(no_union)
+    assert len(pairs) == 3 and len(no_union.generate_calls("prefill")) == 3
+    assert {d["stream"] for _, d in pairs.values()} == {stream}
+    if stream:
+        events = _payloads(response.text)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert {c["index"] for e in events[:-1] for c in e["choices"]} == {0, 1, 2}
+        assert events[-2]["usage"]["completion_tokens"] == 15
+    else:
+        answer = response.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and answer["usage"]["completion_tokens"] == 15
+
+
+def test_a_batch_prompt_whose_prefill_fails_is_retried_on_another(no_union: PdBench) -> None:
+    broken, _ = no_union.sims("prefill")
+    broken.fault = Fault("status", status=500, times=1)
+    response = httpx.post(no_union.gateway.base_url + "/v1/completions", json=BATCH, timeout=30)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    assert len(no_union.generate_calls("prefill")) == 4 and len(_pairs(no_union)) == 3
+    assert no_union.gateway.state()["scheduler"]["instances"][broken.address]["breaker"] == "open"
+
+
+def test_a_batch_with_every_prefill_down_is_served_by_union_per_prompt(bench: PdBench) -> None:
+    for sim in bench.sims("prefill"):
+        sim.fault = Fault("status", status=503)
+    response = httpx.post(bench.gateway.base_url + "/v1/completions", json={**BATCH, "stream": True}, timeout=30)
+    assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+    assert bench.generate_calls("decode") == [] and len(bench.generate_calls("union")) == 3
+
+
+def test_without_prefill_or_pair_the_error_says_so(no_union: PdBench) -> None:
+    for sim in no_union.sims("prefill"):
+        sim.fault = Fault("status", status=503)
+    response = httpx.post(no_union.gateway.base_url + "/v1/completions", json=BATCH, timeout=30)
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == "no prefill instance could prefill the request"
+    # both prefill breakers are open now: no pair, and no decode instance may serve alone
+    again = httpx.post(no_union.gateway.base_url + "/v1/completions", json={**BATCH, "prompt": "one"}, timeout=30)
+    message = again.json()["error"]["message"]
+    assert again.status_code == 503 and message.startswith("no prefill/decode pair available: no healthy prefill")
+    assert no_union.generate_calls("decode") == []
+
+
+def test_a_client_leaving_a_batch_during_its_prefill_legs_cancels_them(no_union: PdBench) -> None:
+    for sim in no_union.sims("prefill"):
+        sim.ttft_s = 2.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(no_union.gateway.base_url + "/v1/completions", json={**BATCH, "stream": True}, timeout=0.5)
+    no_union.gateway.assert_no_leaks(timeout=5)  # every prefill and decode lease back, nothing open
+    assert no_union.generate_calls("decode") == []
+
+
+def test_a_client_leaving_a_batch_mid_stream_cuts_every_decode_stream(no_union: PdBench) -> None:
+    for sim in no_union.sims("decode"):
+        sim.token_delay_s = 0.05
+    body = {**BATCH, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", no_union.gateway.base_url + "/v1/completions", json=body, timeout=30) as response:
+        for _ in response.iter_raw():
+            break
+    deadline = time.monotonic() + 5
+    while sum(s.streams_cut for s in no_union.sims("decode")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(s.streams_cut for s in no_union.sims("decode")) == 3
+
+
+@pytest.mark.parametrize("kind", ["abort", "inband_error", "stall"])
+def test_relay_under_handoff_prefills_the_replay_prompt_again(relaying: PdBench, kind: str) -> None:
+    fault = Fault(kind, after_tokens=4, times=1)
+    for sim in relaying.sims("decode"):
+        sim.fault = fault  # the first decode stream, wherever it goes
+    body = {"model": "tiny", "prompt": "relay me", "max_tokens": 12, "stream": True, "return_token_ids": True}
+    response = httpx.post(relaying.gateway.base_url + "/v1/completions", json=body, timeout=30)
+    events = _payloads(response.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1 and not any("error" in e for e in events[:-1])
+    decodes = sorted(relaying.calls("decode"), key=lambda call: len(call[1]["token_ids"]))
+    (first_host, first), (second_host, second) = decodes
+    assert first_host != second_host
+    committed = relaying.sims("decode")[0].script(first["token_ids"], 12)[:4]
+    assert second["token_ids"] == first["token_ids"] + committed and second["sampling_params"]["max_tokens"] == 8
+    # a new prefill leg of the replay prompt came first, and the new decode leg loads its KV
+    prefills = {"generate-tokens-" + p["request_id"]: p for p in relaying.generate_calls("prefill")}
+    assert len(prefills) == 2
+    assert prefills[second["kv_transfer_params"]["remote_request_id"]]["token_ids"] == second["token_ids"]
+    streamed = [i for e in events[:-1] for c in e["choices"] for i in c["token_ids"] or []]
+    assert streamed == committed + relaying.sims("decode")[0].script(second["token_ids"], 8)
+    assert relaying.generate_calls("union") == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_a_trigger_batch_goes_the_native_path(trigger: PdBench, stream: bool) -> None:
+    response = httpx.post(trigger.gateway.base_url + "/v1/completions", json={**BATCH, "stream": stream}, timeout=30)
+    assert response.status_code == 200
+    native = [r for sim in trigger.sims("decode") for r in sim.received if r.path == "/v1/completions"]
+    assert len(native) == 1 and native[0].json()["prompt"] == BATCH["prompt"]
+    assert trigger.generate_calls("prefill") == trigger.generate_calls("decode") == []
+
+
+@pytest.fixture
+def trigger_relaying(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
+    with _pd_gateway(stack, tmp_path, ["concurrent_engine_sync"], reschedule=RELAY) as pd:
+        yield pd
+
+
+def test_relay_under_trigger_sends_decode_first_again_with_a_new_attempt(trigger_relaying: PdBench) -> None:
+    fault = Fault("abort", after_tokens=4, times=1)
+    for sim in trigger_relaying.sims("decode"):
+        sim.fault = fault
+    body = {"model": "tiny", "prompt": "relay me", "max_tokens": 12, "stream": True, "return_token_ids": True}
+    response = httpx.post(trigger_relaying.gateway.base_url + "/v1/completions", json=body, timeout=30)
+    events = _payloads(response.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1 and not any("error" in e for e in events[:-1])
+    (first_host, first), (second_host, second) = sorted(
+        trigger_relaying.calls("decode"), key=lambda call: len(call[1]["token_ids"])
+    )
+    assert first_host != second_host
+    assert [first["kv_transfer_params"]["metaserver"][-9:], second["kv_transfer_params"]["metaserver"][-9:]] == [
+        "attempt=0",
+        "attempt=1",
+    ]
+    committed = trigger_relaying.sims("decode")[0].script(first["token_ids"], 12)[:4]
+    assert second["token_ids"] == first["token_ids"] + committed
+    prefills = trigger_relaying.generate_calls("prefill")  # one per decode leg, on its engine's callback
+    assert sorted(len(p["token_ids"]) for p in prefills) == [len(first["token_ids"]), len(second["token_ids"])]
+    assert [s for sim in trigger_relaying.sims("decode") for s in sim.trigger_callbacks] == [200, 200]
+    streamed = [i for e in events[:-1] for c in e["choices"] for i in c["token_ids"] or []]
+    assert streamed == committed + trigger_relaying.sims("decode")[0].script(second["token_ids"], 8)
