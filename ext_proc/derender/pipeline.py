@@ -242,7 +242,8 @@ class StreamDerender:
 
 def parse_event(payload: bytes) -> dict[str, Any] | GatewayError | None:
     """One generate SSE payload, parsed once: an event, None for `[DONE]`, or the error it
-    means (an in-band engine error: 500 `engine_error`; anything else: 502)."""
+    means (an in-band engine error: the engine's own error object, which is what native
+    serving streams for it, type, message and code kept; anything else: 502)."""
     if payload == DONE:
         return None
     try:
@@ -253,5 +254,10 @@ def parse_event(payload: bytes) -> dict[str, Any] | GatewayError | None:
         return GatewayError(502, "engine sent an invalid stream event", code="engine_invalid_event")
     if "error" not in event:
         return event
-    error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
-    return GatewayError(500, str(error.get("message", "engine error")), code=error.get("code") or "engine_error")
+    error = event["error"]
+    if not (isinstance(error, dict) and isinstance(error.get("message"), str) and error.get("type")):
+        message = str(error.get("message") if isinstance(error, dict) else error)
+        return GatewayError(500, message or "engine error", code="engine_error")
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return GatewayError(status, error["message"], code=code, body=orjson.dumps({"error": error}))

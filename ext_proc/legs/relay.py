@@ -216,8 +216,8 @@ class PromptStream:
             waiting = []
             if event is None:
                 return True
-            if event.code == "engine_invalid_event":
-                raise event
+            if event.code == "engine_invalid_event" or event.status < 500:
+                raise event  # a 4xx is the request's own fault: another engine would say the same
             raise EngineFailure(f"in-band error: {event.message}")
         await self._step(waiting, put)
         return False

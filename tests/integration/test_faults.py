@@ -233,8 +233,13 @@ def test_inband_engine_error_becomes_an_openai_error_event(bench: FaultBench) ->
     assert response.status_code == 200
     events = _sse_events(response.text)
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    error = orjson.loads(events[-2])["error"]
-    assert error["type"] == "server_error" and "engine" in error["message"]
+    error = orjson.loads(events[-2])["error"]  # the engine's own error object, as native streams it
+    assert error == {
+        "message": "simulated engine core failure",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
     stages = gateway.stages(response.headers["x-request-id"], until="stream.failure")
     assert [(s["stage"], s.get("code")) for s in stages][-1] == ("stream.failure", str(error["code"]))
     chunks = [orjson.loads(e) for e in events[:-2]]

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.derender.pipeline import StreamDerender
+from ext_proc.derender.pipeline import StreamDerender, parse_event
 from ext_proc.derender.sidecar import DerenderClient, SidecarStream
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
@@ -96,6 +96,23 @@ async def test_inband_engine_error_ends_the_stream() -> None:
     assert orjson.loads(events[1])["error"]["message"] == "engine core died"
     assert events[2:] == [b"[DONE]"]
     assert len(fake.requests) == 1  # the error event and what followed never reached derender
+
+
+async def test_an_engine_error_object_reaches_the_client_as_the_engine_sent_it() -> None:
+    """What vLLM streams for a request it rejects mid-stream (e.g. a logit_bias id outside the
+    vocabulary): native serving sends the very same object."""
+    engine_error = {
+        "message": "token_id(s) [99999] in logit_bias out of vocab",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    pipeline = _pipeline(FakeDerender())
+    out = await pipeline.feed(b"data: " + orjson.dumps({"error": engine_error}) + b"\n\n")
+    events = _events(out + await pipeline.finish())
+    assert orjson.loads(events[-2]) == {"error": engine_error} and events[-1] == b"[DONE]"
+    error = parse_event(orjson.dumps({"error": engine_error}))
+    assert isinstance(error, GatewayError) and (error.status, error.code) == (400, 400)
 
 
 async def test_derender_failure_does_not_advance_the_state() -> None:
