@@ -4,7 +4,7 @@ learned before a client request pays for it.
 Per engine (all GETs, and two POSTs that cost the engine nothing):
 - `/version`; `/v1/models` (served names, `root`, `max_model_len`, LoRA adapters by `parent`);
 - `/metrics`: `vllm:cache_config_info` (block size, prefix-caching hash algorithm);
-- `/kv_event_sources` (where its KV events are published; absent before vLLM 0.32);
+- `/kv_event_sources` (where its KV events are published, where the engine serves it);
 - `POST /inference/v1/generate` with `{}`: 400 is a live token-only route, 403 vLLM 0.32's
   answer without `--enable-scale-out`, 404 no such route (`TokenOnlyRoute`);
 - `POST /tokenize` of a fixed canary chat: its own tokenizer's ids, compared with render's.
