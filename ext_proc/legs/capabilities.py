@@ -222,6 +222,7 @@ class Capabilities:
         self._render_name = self._render_url or "in_process"
         self.renders: dict[str, RenderCapabilities | None] = {self._render_name: None} if render.enable else {}
         self.render_used: dict[str, bool] = {}
+        self._reference: tuple[int, ...] | None = None  # the canary ids of the last decision
         self._due: dict[str, _Due] = {name: _Due() for name in [*self.renders, *self.engines]}
         self._wake = asyncio.Event()
         self.rounds = 0
@@ -298,7 +299,7 @@ class Capabilities:
         return canary_reference(renders, (r.canary for r in self.engines.values() if r is not None))
 
     def decide(self) -> None:
-        reference = self.reference()
+        reference = self._reference = self.reference()
         for name, render in self.renders.items():
             used = render is None or render.canary is None or reference is None or render.canary == reference
             if self.render_used.get(name, True) != used:
@@ -425,4 +426,4 @@ class Capabilities:
     def _tokenizer(self, canary: tuple[int, ...] | None) -> str:
         if canary is None:
             return "unchecked"
-        return "agrees" if canary == self.reference() else "mismatch"
+        return "agrees" if canary == self._reference else "mismatch"

@@ -71,6 +71,7 @@ class PromptStream:
         self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them
         self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
         self._tasks: set[asyncio.Task[Any]] = set()  # Trigger prefill legs run on callback
+        self._awaiting_output = False  # a Trigger decode leg before its first output
         self._hold(self._leg)
         self._opened: Opened | None = None
         self.attempts = 0
@@ -98,6 +99,7 @@ class PromptStream:
             params = await self._prefill()
         elif self._leg.trigger:
             params = self._expect_callback()
+            self._awaiting_output = True
         leg = self._leg
         failed = self._open_leases.setdefault(leg.lease_id, [])
         trace = {} if self._record is None else self._record.leg(leg.lease_id, leg.hosts, "owned")
@@ -241,7 +243,8 @@ class PromptStream:
         data = await self._session.steps(events)
         if record is not None:
             record.derendered(started)
-        if self._leg.trigger and self._ctx.triggers is not None:  # its prefill leg's tokens go back
+        if self._awaiting_output and self._ctx.triggers is not None:  # a Trigger prefill's tokens go back
+            self._awaiting_output = False
             self._ctx.triggers.first_chunk(self._leg.lease_id)
         for event, _ in events:
             for choice in event.get("choices") or ():
