@@ -69,6 +69,17 @@ class OpenAIRequest:
         n = self.body.get("n")
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
+    @property
+    def echo(self) -> bool:
+        """The answer repeats the prompt (completions) or the last message (chat)."""
+        return _flag(self.body.get("echo"))
+
+    @property
+    def logprobs(self) -> bool:
+        """Output logprobs are asked for (completions: `logprobs` set, 0 included)."""
+        value = self.body.get("logprobs")
+        return _flag(value) if self.api is ApiKind.CHAT else value is not None
+
     def engine_body(self) -> dict[str, Any]:
         """The body an engine's own OpenAI endpoint gets (native path), and all the gateway
         keeps of the request once it is routed, for derender: no steering fields, no
@@ -127,6 +138,13 @@ class TokenizedRequest:
         return bool(rendered.get("stream")) if rendered is not None else self.request.stream
 
     @property
+    def generate_streams(self) -> bool:
+        """Whether engines stream their answer: as the client streams, unless the stream shows
+        the prompt's logprobs (completions `echo` with `logprobs`), which generate only returns
+        in a whole answer; then the engine answers whole and derender streams that answer."""
+        return self.stream and not (self.api is ApiKind.COMPLETIONS and self.request.echo and self.request.logprobs)
+
+    @property
     def n(self) -> int:
         """Choices per prompt, each of which may generate max_tokens."""
         rendered = self.prompts[0].generate_request if self.prompts else None
@@ -142,3 +160,10 @@ class TokenizedRequest:
     def complete(self) -> bool:
         """Everything a token-only GenerateRequest needs is here (render, not a local fallback)."""
         return bool(self.prompts) and all(p.generate_request is not None for p in self.prompts)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean field as vLLM's request models read it (pydantic's lax booleans)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return value is True or value == 1

@@ -21,8 +21,16 @@ from typing import Any
 import orjson
 
 from ext_proc.config import ModelConfig
-from ext_proc.derender.logprobs import LogprobDecoder, chat_logprobs, completion_logprobs
+from ext_proc.derender.logprobs import (
+    LogprobDecoder,
+    Position,
+    Unscored,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_field,
+)
 from ext_proc.derender.streaming import sse_event
+from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
 
@@ -69,6 +77,12 @@ class DerenderModel:
         kwargs = client.build_chat_params(self.chat_template, "auto").chat_template_kwargs
         return self.parser_cls(self.tokenizer, client.tools, chat_template_kwargs=kwargs, model_config=None)
 
+    def prompt_logprobs(self, generate: dict[str, Any], prompt: PromptTokens) -> list[Any] | None:
+        """A whole answer's `prompt_logprobs` field as native shows it, decoded here (under
+        obfuscation the engine's own texts would be of physical ids)."""
+        plp = generate.get("prompt_logprobs")
+        return None if plp is None else prompt_logprobs_field(self.logprobs.prompt_positions(plp, prompt.token_ids))
+
     def detokenizer(self, prompt: PromptTokens, params: dict[str, Any]) -> Any:
         """The engine's own incremental detokenizer, primed with the prompt like the engine's."""
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -99,6 +113,7 @@ class _Choice:
     finished: bool = False
     logprob_context: list[int] = field(default_factory=list)
     text_offset: int = 0  # completions: where the next logprob token starts
+    prompt_shown: bool = False  # completions: the prompt (echo) or its ids went out
 
     def text(self, ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
         # EOS and stop ids end generation in the engine core and are not detokenized;
@@ -150,6 +165,7 @@ class _Session:
         usage = client.stream_options
         self._include_usage = bool(usage and usage.include_usage)
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
+        self._prompt_logprobs: list[Any] | None = None  # a whole answer's (the only ones that carry them)
 
     @property
     def completion_tokens(self) -> int:
@@ -192,6 +208,8 @@ class _Session:
         return b"".join(sse_event(orjson.dumps(chunk)) for chunk in chunks)
 
     def _event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        if event.get("prompt_logprobs") is not None:
+            self._prompt_logprobs = event["prompt_logprobs"]
         out = self._prelude()
         for step in _steps(event):
             chunk = self._step(step)
@@ -228,6 +246,7 @@ class ChatStream(_Session):
 
         self._named_tool = isinstance(client.tool_choice, ChatCompletionNamedToolChoiceParam)
         self._hide_metadata = not client.include_reasoning and model.parser_cls is not None
+        self._role = response_role(client)
         for i in range(self._n):  # parsers are made when the stream starts, as natively
             self._choice(i, parser=True)
 
@@ -242,13 +261,18 @@ class ChatStream(_Session):
         for i in range(self._n):
             choice: dict[str, Any] = {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": self._role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             if self._continuous_usage:
                 extra["usage"] = self._usage(0, 0)
             out.append(self._chunk([choice], **extra))
+        echoed = echoed_message(self._client, self._role) if self._client.echo else ""
+        for i in range(self._n if echoed else 0):  # `echo`: the last message, once per choice
+            usage = {"usage": self._usage(0, 0)} if self._continuous_usage else {}
+            delta = {"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
+            out.append(self._chunk([delta], **usage))
         return out
 
     def _step(self, step: _Step) -> dict[str, Any] | None:
@@ -294,7 +318,9 @@ class ChatStream(_Session):
             data["stop_reason"] = step.stop_reason
         data["token_ids"] = step.token_ids if include_ids else None
         if self._client.parallel_tool_calls is False and "tool_calls" in delta_json:
-            delta_json["tool_calls"] = [tc for tc in delta_json["tool_calls"] if tc.get("index") == 0]
+            kept = [tc for tc in delta_json.pop("tool_calls") if tc.get("index") == 0]
+            if kept:  # native's DeltaMessage leaves an empty list out
+                delta_json["tool_calls"] = kept
         extra: dict[str, Any] = {}
         if self._continuous_usage:
             extra["usage"] = self._usage(choice.num_tokens, self._reasoning_tokens(choice))
@@ -306,11 +332,12 @@ class ChatStream(_Session):
         return int(choice.parser.count_reasoning_tokens(tuple(choice.output_ids)))
 
     def _usage(self, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+        """Native's `UsageInfo` dumped with `exclude_unset`: `completion_tokens_details` is
+        always set (null without a reasoning parser), `prompt_tokens_details` never."""
         usage: dict[str, Any] = {
             "prompt_tokens": self._prompt_tokens,
             "total_tokens": self._prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
             "completion_tokens_details": None,
         }
         if self._model.include_reasoning_details:
@@ -328,6 +355,7 @@ class ChatStream(_Session):
 
 
 _TEXT_KEYS = frozenset({"content", "reasoning", "text"})
+_PER_TOKEN_KEYS = ("logprobs", "token_ids")
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
@@ -339,6 +367,8 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
     x, y = a["choices"][0], b["choices"][0]
     if x["index"] != y["index"] or x.get("finish_reason") or y.get("finish_reason") or x.get("prompt_token_ids"):
         return None
+    if any((x.get(key) is None) != (y.get(key) is None) for key in _PER_TOKEN_KEYS):
+        return None  # (chat's echoed message has no logprobs; the first output's do)
     if "delta" in x:
         dx, dy = x["delta"], y["delta"]
         if dx.keys() != dy.keys() or not dx.keys() <= _TEXT_KEYS or not all(isinstance(dx[k], str) for k in dx):
@@ -369,6 +399,7 @@ class CompletionStream(_Session):
     def __init__(self, model: DerenderModel, request: TokenizedRequest, prompt_index: int = 0) -> None:
         super().__init__(model, request, prompt_index, model.client_request(request))
         self._prompt_index = prompt_index
+        self._prompt_positions: list[Position | Unscored] | None = None
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         prompt = self._prompt_tokens
@@ -385,11 +416,18 @@ class CompletionStream(_Session):
         choice = self._choice(step.index, parser=False)
         text = choice.text(step.token_ids, step.finish_reason, step.stop_reason)
         index = step.index + self._prompt_index * self._n
-        if not text and not step.token_ids and not choice.num_tokens:
+        echo = self._client.echo and not choice.prompt_shown
+        # native: the prompt's ids go with the choice's first output (echo), or its first
+        # output at all with `return_token_ids`, even one with nothing to show
+        show_prompt = not choice.prompt_shown and (echo or self._client.return_token_ids)
+        choice.prompt_shown = choice.prompt_shown or show_prompt
+        if not echo and not text and not step.token_ids and not choice.num_tokens:
             return None
+        positions = self._logprob_positions(choice, step) if self._client.logprobs is not None else None
+        if echo:
+            text, positions = self._echoed(text, positions)
         logprobs = None
-        if self._client.logprobs is not None:
-            positions = self._logprob_positions(choice, step)
+        if positions is not None:
             logprobs = completion_logprobs(positions, self._client.logprobs, choice.text_offset)
             if logprobs["tokens"]:
                 choice.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
@@ -400,15 +438,78 @@ class CompletionStream(_Session):
             "logprobs": logprobs,
             "finish_reason": step.finish_reason,
             "stop_reason": step.stop_reason,
-            "prompt_token_ids": None,
+            "prompt_token_ids": self._prompt.token_ids if show_prompt else None,
             "token_ids": step.token_ids if self._client.return_token_ids else None,
         }
-        if self._client.return_token_ids and choice.num_tokens == len(step.token_ids):
-            data["prompt_token_ids"] = self._prompt.token_ids
         extra: dict[str, Any] = {}
         if self._continuous_usage:
             extra["usage"] = self._usage(choice.num_tokens)
         return self._chunk([data], **extra)
+
+    def _echoed(self, text: str, positions: list[Position] | None) -> tuple[str, list[Position | Unscored] | None]:
+        """A choice's first output with the prompt before it (`echo`)."""
+        if positions is not None and self._prompt_positions is None:  # once for every choice
+            self._prompt_positions = _prompt_positions(self._model, self._prompt, self._prompt_logprobs)
+        shown = prompt_text(self._model, self._client, self._prompt, self._prompt_index)
+        return echoed(shown, self._prompt_positions, text, positions, self._client.max_tokens != 0)
+
+
+# -- echo and the prompt's logprobs ------------------------------------------------------
+
+
+def response_role(client: Any) -> str:
+    """The answer's role as native chat serving names it (`get_chat_request_role`)."""
+    return "assistant" if client.add_generation_prompt else str(client.messages[-1]["role"])
+
+
+def echoed_message(client: Any, role: str) -> str:
+    """Chat `echo`: the last message's content when it has the answer's role (text parts
+    joined by newlines, as native's conversation holds them)."""
+    last = client.messages[-1] if client.messages else None
+    if not last or last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and "text" in part)
+
+
+def prompt_text(model: DerenderModel, client: Any, prompt: PromptTokens, prompt_index: int) -> str:
+    """What completions `echo` repeats: the prompt as sent, a token prompt decoded (native:
+    the renderer's `_detokenize_prompt`); nothing with `return_token_ids`, whose answer
+    carries the prompt's ids instead."""
+    if client.return_token_ids:
+        return ""
+    sent = client.prompt
+    if isinstance(sent, str):
+        return sent
+    if isinstance(sent, list) and sent and all(isinstance(p, str) for p in sent):
+        return str(sent[prompt_index])
+    return str(model.tokenizer.decode(prompt.token_ids))
+
+
+def echoed(
+    text: str,
+    prompt_positions: list[Position | Unscored] | None,
+    output_text: str,
+    output_positions: list[Position] | None,
+    generates: bool,
+) -> tuple[str, list[Position | Unscored] | None]:
+    """Completions `echo`: the prompt (its text and logprobs) before the choice's first output,
+    or alone with `max_tokens: 0` (the engine still generated one token; native shows none)."""
+    if not generates:
+        return text, prompt_positions
+    if output_positions is None or prompt_positions is None:
+        return text + output_text, None
+    return text + output_text, [*prompt_positions, *output_positions]
+
+
+def _prompt_positions(
+    model: DerenderModel, prompt: PromptTokens, prompt_logprobs: list[Any] | None
+) -> list[Position | Unscored]:
+    if prompt_logprobs is None:
+        raise GatewayError(502, "the engine returned no prompt logprobs", code="engine_invalid_response")
+    return model.logprobs.prompt_positions(prompt_logprobs, prompt.token_ids)
 
 
 def stream_session(
@@ -422,12 +523,14 @@ def stream_session(
 # -- whole (non-streaming) responses --------------------------------------------------------
 
 
-def derender_whole(model: DerenderModel, request: TokenizedRequest, generate: dict[str, Any]) -> bytes:
-    """One GenerateResponse -> the OpenAI JSON body native serving returns (one step over all
-    ids with the same detokenizer; one `parser.parse` per choice, as natively)."""
+def derender_whole(
+    model: DerenderModel, request: TokenizedRequest, generate: dict[str, Any], prompt_index: int = 0
+) -> bytes:
+    """One prompt's GenerateResponse -> the OpenAI JSON body native serving returns (one step
+    over all ids with the same detokenizer; one `parser.parse` per choice, as natively)."""
     if request.api is ApiKind.CHAT:
         return _chat_response(model, request, generate)
-    return _completion_response(model, request, generate)
+    return _completion_response(model, request, generate, prompt_index)
 
 
 def _final_text(model: DerenderModel, prompt: PromptTokens, params: dict[str, Any], choice: dict[str, Any]) -> str:
@@ -452,6 +555,7 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
 
     client = model.client_request(request)
     prompt = request.prompts[0]
+    role = response_role(client)
     named = client.tool_choice is not None and type(client.tool_choice) is ChatCompletionNamedToolChoiceParam
     required = client.tool_choice == "required"
     tool_parser = model.parser_cls.tool_parser_cls if model.parser_cls is not None else None
@@ -484,14 +588,16 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         calls = [ToolCall(id=tc.id or make_tool_call_id(), function=tc) for tc in (tool_calls or [])]
         auto_called = False
         if named or required:
-            message = ChatMessage(role="assistant", reasoning=reasoning, content=content or "", tool_calls=calls)
+            message = ChatMessage(role=role, reasoning=reasoning, content=content or "", tool_calls=calls)
         elif (
             model.enable_auto_tools and tool_parser and client.tools and client.tool_choice in ("auto", None) and calls
         ):
             auto_called = True
-            message = ChatMessage(role="assistant", reasoning=reasoning, content=content, tool_calls=calls)
+            message = ChatMessage(role=role, reasoning=reasoning, content=content, tool_calls=calls)
         else:
-            message = ChatMessage(role="assistant", reasoning=reasoning, content=content)
+            message = ChatMessage(role=role, reasoning=reasoning, content=content)
+        if client.echo:
+            message.content = echoed_message(client, role) + (message.content or "")
         finish = output.get("finish_reason") or "stop"
         if auto_called or (required and finish == "stop"):
             finish = "tool_calls"
@@ -521,30 +627,43 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         usage=usage,
         prompt_token_ids=prompt.token_ids if client.return_token_ids else None,
     )
-    return orjson.dumps(response.model_dump(mode="json"))
+    body = response.model_dump(mode="json")
+    body["prompt_logprobs"] = model.prompt_logprobs(generate, prompt)
+    return orjson.dumps(body)
 
 
-def _completion_response(model: DerenderModel, request: TokenizedRequest, generate: dict[str, Any]) -> bytes:
+def _completion_response(
+    model: DerenderModel, request: TokenizedRequest, generate: dict[str, Any], prompt_index: int
+) -> bytes:
     client = model.client_request(request)
-    prompt = request.prompts[0]
+    prompt = request.prompts[prompt_index]
+    prompt_positions = None
+    if generate.get("prompt_logprobs") is not None:
+        prompt_positions = model.logprobs.prompt_positions(generate["prompt_logprobs"], prompt.token_ids)
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for output in generate.get("choices") or []:
         token_ids = list(output.get("token_ids") or [])
         completion_tokens += len(token_ids)
-        logprobs = None
+        text = _final_text(model, prompt, prompt.sampling_params, output)
+        positions: list[Position | Unscored] | None = None
         if client.logprobs is not None:
-            positions = model.logprobs.positions(output.get("logprobs"), [])
-            logprobs = completion_logprobs(positions, client.logprobs, 0)
+            positions = list(model.logprobs.positions(output.get("logprobs"), []))
+        if client.echo:
+            if positions is not None and prompt_positions is None:
+                prompt_positions = _prompt_positions(model, prompt, None)  # raises: the engine sent none
+            shown = prompt_text(model, client, prompt, prompt_index)
+            text, positions = echoed(shown, prompt_positions, text, positions, client.max_tokens != 0)  # type: ignore[arg-type]
+        logprobs = None if positions is None else completion_logprobs(positions, client.logprobs, 0)
         choices.append(
             {
                 "index": len(choices),
-                "text": _final_text(model, prompt, prompt.sampling_params, output),
+                "text": text,
                 "logprobs": logprobs,
                 "finish_reason": output.get("finish_reason"),
                 "stop_reason": output.get("stop_reason"),
                 "token_ids": token_ids if client.return_token_ids else None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": None if prompt_positions is None else prompt_logprobs_field(prompt_positions),
                 "prompt_token_ids": prompt.token_ids if client.return_token_ids else None,
                 "routed_experts": None,
             }

@@ -37,6 +37,14 @@ class Position:
         return self.candidates[0]
 
 
+@dataclass(frozen=True)
+class Unscored:
+    """The prompt's first token: nothing precedes it, so it has no logprob (native: `None`)."""
+
+    token_id: int
+    text: str
+
+
 class LogprobDecoder:
     """Decodes positions with the engine's rules; `context` carries the last sampled ids of a
     choice across chunks, so a multi-byte character split over chunks still resolves."""
@@ -53,6 +61,30 @@ class LogprobDecoder:
         for entry in (logprobs or {}).get("content") or []:
             out.append(self._position(entry, context))
             context.append(int(entry["token_id"]))
+            del context[:-CONTEXT_WINDOW]
+        return out
+
+    def prompt_positions(self, prompt_logprobs: Sequence[Any], prompt_ids: Sequence[int]) -> list[Position | Unscored]:
+        """A whole answer's `prompt_logprobs` (per prompt position: None, or `{id: {logprob,
+        rank, ...}}` with the prompt's own id first) decoded as the engine decodes them: the
+        context is the scored prompt ids before each position."""
+        out: list[Position | Unscored] = []
+        context: list[int] = []
+        for token_id, entry in zip(prompt_ids, prompt_logprobs, strict=False):
+            if not entry:
+                out.append(Unscored(token_id, str(self._tokenizer.decode(token_id))))
+                continue
+            (first, scored), *rest = entry.items()
+            content = {
+                "token_id": int(first),
+                "logprob": scored.get("logprob"),
+                "rank": scored.get("rank"),
+                "top_logprobs": [
+                    {"token_id": int(k), "logprob": v.get("logprob"), "rank": v.get("rank")} for k, v in rest
+                ],
+            }
+            out.append(self._position(content, context))
+            context.append(int(first))
             del context[:-CONTEXT_WINDOW]
         return out
 
@@ -119,16 +151,35 @@ def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None) -> di
     return {"content": content}
 
 
-def completion_logprobs(positions: Sequence[Position], top: int, text_offset: int) -> dict[str, Any]:
+def prompt_logprobs_field(positions: Sequence[Position | Unscored]) -> list[dict[str, Any] | None]:
+    """The `prompt_logprobs` field of native answers: per position None or `{id: Logprob}`."""
+    return [
+        None
+        if isinstance(position, Unscored)
+        else {
+            str(c.token_id): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.text}
+            for c in position.candidates
+        }
+        for position in positions
+    ]
+
+
+def completion_logprobs(positions: Sequence[Position | Unscored], top: int, text_offset: int) -> dict[str, Any]:
     """`CompletionLogProbs` as native completions serving builds it; `text_offset` is where
     this chunk's first token starts in the choice's text. The engine was asked for k + 1
-    candidates (`token_only.generate_body`): the sampled token and ranks 1..k are kept."""
+    candidates (`token_only.generate_body`): the sampled token and ranks 1..k are kept. An
+    echoed prompt's first token has no logprob."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for position in positions:
         offsets.append(text_offset if not offsets else offsets[-1] + len(tokens[-1]))
+        if isinstance(position, Unscored):
+            tokens.append(position.text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         tokens.append(position.sampled.text)
         token_logprobs.append(position.sampled.logprob)
         kept = [c for i, c in enumerate(position.candidates) if top == -1 or i == 0 or (c.rank or 0) <= top]

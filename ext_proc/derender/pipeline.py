@@ -49,7 +49,9 @@ class StreamSession(Protocol):
 class Derenderer(Protocol):
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession: ...
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes: ...
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
+        """One prompt's whole GenerateResponse -> the OpenAI JSON body."""
+        ...
 
 
 class InProcessDerender:
@@ -63,10 +65,10 @@ class InProcessDerender:
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
         return _InProcessStream(self.model, request, prompt_index)
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
         generate = generate_response(generate_body)
         try:
-            return await asyncio.to_thread(derender_whole, self.model, request, generate)
+            return await asyncio.to_thread(derender_whole, self.model, request, generate, prompt_index)
         except Exception as exc:
             log.exception("in-process derender failed for %s", request.request_id)
             raise GatewayError(500, "derender failed", code="derender_failed") from exc
@@ -114,10 +116,10 @@ class SemanticDerender:
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
         return _SemanticStream(self._inner.stream(request, prompt_index), self._codec)
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
         generate = generate_response(generate_body)
         self._codec.semantic_event(generate)
-        return await self._inner.whole(request, orjson.dumps(generate))
+        return await self._inner.whole(request, orjson.dumps(generate), prompt_index)
 
 
 class _SemanticStream:
@@ -145,10 +147,10 @@ class MeasuredDerender:
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
         return self._inner.stream(request, prompt_index)
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
         started, record = time.perf_counter(), current()
         try:
-            body = await self._inner.whole(request, generate_body)
+            body = await self._inner.whole(request, generate_body, prompt_index)
         except GatewayError as error:
             if record is not None:
                 record.answer_failed(error.code)
@@ -182,6 +184,15 @@ class StreamDerender:
 
     async def feed(self, raw: bytes) -> bytes:
         return await self._events(self._framer.feed(raw))
+
+    async def whole(self, generate_body: bytes) -> bytes:
+        """A whole generate answer (`TokenizedRequest.generate_streams` false) as the client's
+        entire stream: the events it stands for, then the one `[DONE]`."""
+        try:
+            events = whole_events(generate_response(generate_body))
+        except GatewayError as error:
+            return self._fail(error)
+        return await self._steps([(event, b"") for event in events]) + await self.finish()
 
     async def finish(self) -> bytes:
         """End of the generate stream: whatever is left, and the one `[DONE]`."""
@@ -238,6 +249,15 @@ class StreamDerender:
         if self._record is not None:
             self._record.answer_failed(error.code)
         return sse_event(error.body) + DONE_EVENT
+
+
+def whole_events(generate: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole GenerateResponse as the stream events it stands for: every choice's output in
+    one step (with the prompt's logprobs, which only a whole answer carries), then the usage."""
+    events = [{key: value for key, value in generate.items() if key != "usage"}]
+    if generate.get("usage") is not None:
+        events.append({"choices": [], "usage": generate["usage"]})
+    return events
 
 
 def parse_event(payload: bytes) -> dict[str, Any] | GatewayError | None:

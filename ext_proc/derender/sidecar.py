@@ -10,6 +10,7 @@ and a parser-enabled stream gets its logprobs back.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -89,9 +90,10 @@ class SidecarDerender:
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> SidecarStream:
         return SidecarStream(self._client, request, prompt_index, self._model)
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
-        prompt = request.prompts[0]
+        prompt = request.prompts[prompt_index]
+        request = replace(request, prompts=[prompt])
         top = _completion_logprobs(request)
         generate = generate_response(generate_body)
         # usage's reasoning_tokens come from the engine's own ids, before the corrections below
@@ -134,7 +136,20 @@ class SidecarDerender:
         ):
             if stop is not None:
                 _cut_fields(choice.get("message") or choice, stop, final=True)
+        self._prompt_logprobs(result, request, generate)
         return orjson.dumps(result)
+
+    def _prompt_logprobs(self, result: dict[str, Any], request: TokenizedRequest, generate: dict[str, Any]) -> None:
+        """`prompt_logprobs` as native shows them (0.32's completions derender drops them),
+        decoded by the gateway (under obfuscation the engine's texts are of physical ids)."""
+        field = self._model.prompt_logprobs(generate, request.prompts[0])
+        if field is None:
+            return
+        if request.api is ApiKind.CHAT:
+            result["prompt_logprobs"] = field
+            return
+        for choice in result.get("choices") or []:
+            choice["prompt_logprobs"] = field
 
     async def _reasoning_details(self, request: TokenizedRequest, generate: dict[str, Any]) -> Any:
         """Native `completion_tokens_details` of a whole chat answer (one parser pass, on a

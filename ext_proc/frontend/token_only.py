@@ -36,6 +36,7 @@ def generate_body(
     prefill: bool = False,
     kv_transfer_params: dict[str, Any] | None = None,
     min_tokens: int | None = None,
+    stream: bool | None = None,
 ) -> bytes:
     """The engine body for one prompt and one leg: render's GenerateRequest with the gateway's
     final max_tokens (always explicit: see `requested_max_tokens`).
@@ -44,7 +45,8 @@ def generate_body(
     decode; no min_tokens unless given: Trigger sets 1). `kv_transfer_params`: the leg's
     (prefill's answer for a Handoff decode leg; Trigger's metaserver or callback params), top
     level and in `extra_args`, where vLLM's connectors look. The gateway owns these fields:
-    a client's values never get here."""
+    a client's values never get here. `stream`: whether the engine streams
+    (`TokenizedRequest.generate_streams`); None keeps render's."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     rendered = prompt.engine_request or prompt.generate_request  # physical ids with obfuscation on
@@ -59,9 +61,10 @@ def generate_body(
         # Completions show the sampled token plus the top k; generate cuts its list to k
         # entries in all, so ask for one more and let derender keep ranks 1..k.
         params["logprobs"] = logprobs + 1
+    if prefill or stream is False:
+        body["stream"], body["stream_options"] = False, None
     if prefill:
         params.pop("min_tokens", None)
-        body["stream"], body["stream_options"] = False, None
         kv_transfer_params = kv_transfer_params or {"do_remote_decode": True, "do_remote_prefill": False}
     if min_tokens is not None:
         params["min_tokens"] = min_tokens

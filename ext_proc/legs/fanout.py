@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -64,10 +63,7 @@ class FanOut:
         except BaseExceptionGroup as failures:
             raise _first_error(failures) from None
         tokenized = self._plan.tokenized
-        bodies = [
-            await self._ctx.derender.whole(replace(tokenized, prompts=[prompt]), task.result())
-            for prompt, task in zip(tokenized.prompts, tasks, strict=True)
-        ]
+        bodies = [await self._ctx.derender.whole(tokenized, task.result(), i) for i, task in enumerate(tasks)]
         return bodies[0] if len(bodies) == 1 else merge_whole(bodies)
 
     # -- streaming -------------------------------------------------------------------

@@ -23,10 +23,10 @@ import httpx
 import orjson
 
 from ext_proc.config import RescheduleConfig
-from ext_proc.derender.pipeline import Derenderer, parse_event
+from ext_proc.derender.pipeline import Derenderer, parse_event, whole_events
 from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.token_only import generate_body
+from ext_proc.frontend.token_only import generate_body, generate_response
 from ext_proc.legs.generate import Opened, open_generate, read_whole
 from ext_proc.legs.prefill import prefilled
 from ext_proc.legs.trigger import Triggers
@@ -153,6 +153,7 @@ class PromptStream:
             request_id=leg.lease_id,
             min_tokens=min_tokens or None,
             kv_transfer_params=kv_transfer_params,
+            stream=self._plan.tokenized.generate_streams,
         )
 
     # -- non-streaming ----------------------------------------------------------------
@@ -180,6 +181,9 @@ class PromptStream:
 
     async def _attempt(self, put: Put) -> None:
         assert self._opened is not None
+        if not self._plan.tokenized.generate_streams:
+            await self._whole_attempt(put)
+            return
         framer = SSEFramer()
         chunks = self._opened.response.aiter_raw()
         got_tokens = False
@@ -205,11 +209,26 @@ class PromptStream:
                 return
             got_tokens = got_tokens or self.completion_tokens > before
 
+    async def _whole_attempt(self, put: Put) -> None:
+        """An engine that answers whole (`generate_streams`): its answer is the stream's one step."""
+        assert self._opened is not None
+        try:
+            body = await read_whole(self._opened, self._ctx.max_response_bytes)
+        except GatewayError as error:
+            if error.code == "engine_stream_failed":
+                raise EngineFailure(error.message) from None
+            raise
+        events = whole_events(generate_response(body))
+        await self._parsed([(event, b"") for event in events], put)
+
     async def _events(self, payloads: list[bytes], put: Put) -> bool:
         """Derender what arrived together; True at `[DONE]`."""
+        return await self._parsed([(parse_event(payload), payload) for payload in payloads], put)
+
+    async def _parsed(self, items: list[tuple[dict[str, Any] | GatewayError | None, bytes]], put: Put) -> bool:
+        """Parsed events with their payloads; True at `[DONE]`."""
         waiting: list[tuple[dict[str, Any], bytes]] = []
-        for payload in payloads:
-            event = parse_event(payload)
+        for event, payload in items:
             if isinstance(event, dict):
                 if event.get("choices") or not self._merged:
                     waiting.append(self._with_usage(event, payload))

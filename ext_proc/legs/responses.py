@@ -3,8 +3,9 @@ bytes (no protos: the Envoy adapter wraps them).
 
 - `PassthroughResponse`: the engine's own response, untouched (native path, `/v1/models`);
 - `StreamResponse`: generate SSE through the streaming derender pipeline, chunk by chunk;
-- `BufferedResponse`: a whole generate JSON (derendered once), or an engine error (made an
-  OpenAI error), collected under a size cap; an engine without token-only generate (403/404/501
+- `BufferedResponse`: a whole generate JSON (derendered once; streamed to a client that asked
+  for a stream the engine answers whole), or an engine error (made an OpenAI error),
+  collected under a size cap; an engine without token-only generate (403/404/501
   before any output) gets the request once more on its native endpoint, from the processor
   (`replay_native`; RFC fault table, "token-only Engine 能力").
 """
@@ -25,6 +26,7 @@ from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.protocol import OpenAIRequest, TokenizedRequest
 
 JSON = "application/json"
+SSE = "text/event-stream"
 # What an engine without token-only generate answers: 403 is vLLM 0.32 started without
 # --enable-scale-out ("Scale-out endpoints are disabled"), 404/501 a missing route.
 UNSUPPORTED_STATUSES = frozenset({403, 404, 501})
@@ -181,6 +183,10 @@ class BufferedResponse:
         if status != 200 and token_only_unsupported(status, upstream):
             async for out in self._replay(end):
                 yield out
+            return
+        if status == 200 and self._tokenized.stream:  # a stream the engine answered whole
+            yield Head(200, SSE)
+            yield Chunk(await StreamDerender(self._derender.stream(self._tokenized)).whole(upstream), end)
             return
         if status == 200:
             try:

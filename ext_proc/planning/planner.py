@@ -63,6 +63,8 @@ class Planner:
         try:
             model = self._config.model
             request = parse_request(api, content_type, raw, model, vocab_size(model.path))
+            if request.echo and self._config.derender.mode == "sidecar":
+                raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
             tokenized = await self._tokenization.tokenize(request, raw, request_id)
         except GatewayError as error:
             return Local(error.status, error.body)
@@ -352,7 +354,12 @@ def routed_body(plan: TokenOnly) -> bytes:
     leg = plan.routed
     api = plan.tokenized.api
     return generate_body(
-        leg.prompt, leg.max_tokens, api, request_id=leg.lease_id, kv_transfer_params=plan.kv_transfer_params
+        leg.prompt,
+        leg.max_tokens,
+        api,
+        request_id=leg.lease_id,
+        kv_transfer_params=plan.kv_transfer_params,
+        stream=plan.tokenized.generate_streams,
     )
 
 
@@ -367,6 +374,10 @@ def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
     return replace(tokenized, request=tokenized.request.kept())
 
 
+ECHO_NEEDS_IN_PROCESS = (
+    "`echo` needs the in-process derender (derender.mode: in_process): the render sidecar's"
+    " /derender does not repeat the prompt"
+)
 TRIGGER_BATCH_OBFUSCATED = (
     "multi-prompt requests on a Trigger prefill/decode pool are served by an engine's native endpoint,"
     " which token obfuscation forbids"

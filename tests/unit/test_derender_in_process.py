@@ -142,3 +142,87 @@ def test_whole_response_equals_the_stream(model: Any) -> None:
     assert choice["message"]["reasoning"].strip() == "hmm"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
     assert response["usage"]["completion_tokens"] == len(ids)
+
+
+def _scored_prompt(ids: list[int]) -> list[Any]:
+    """Prompt logprobs as a whole generate answer carries them: the first position None, then
+    the prompt's id first with its rank, then the top candidate."""
+    return [None] + [
+        {str(t): {"logprob": -1.5 - i, "rank": 7}, "0": {"logprob": -0.5, "rank": 1}} for i, t in enumerate(ids[1:])
+    ]
+
+
+def _echo_request(model: Any, prompt: str, body: dict[str, Any]) -> TokenizedRequest:
+    rendered = {"token_ids": _ids(model, prompt), "sampling_params": {}, "request_id": "cmpl-t"}
+    return TokenizedRequest(
+        OpenAIRequest(ApiKind.COMPLETIONS, {"model": "tiny", "prompt": prompt, **body}),
+        "cmpl-t",
+        [PromptTokens.rendered(rendered)],
+    )
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_shows_the_prompt_and_its_logprobs_stream_and_whole_alike(model: Any, max_tokens: int) -> None:
+    """lm-eval's loglikelihood request: the prompt's text and logprobs (first null, offsets over
+    the decoded tokens), then the output unless `max_tokens: 0` (the engine's one token hidden)."""
+    from ext_proc.derender.in_process import derender_whole, stream_session
+    from ext_proc.derender.pipeline import whole_events
+
+    prompt = "Hello 東京 world"
+    request = _echo_request(model, prompt, {"echo": True, "logprobs": 1, "max_tokens": max_tokens, "stream": True})
+    prompt_ids, output = request.prompts[0].token_ids, _ids(model, " yes no")[: max(max_tokens, 1)]
+    top = [{"token_id": t, "logprob": -0.25, "rank": 1, "top_logprobs": []} for t in output]
+    generate = {
+        "prompt_logprobs": _scored_prompt(prompt_ids),
+        "choices": [{"index": 0, "token_ids": output, "finish_reason": "length", "logprobs": {"content": top}}],
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output), "total_tokens": 0},
+    }
+    raw = stream_session(model, request).steps(whole_events(generate))
+    (chunk,) = [orjson.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e]
+    streamed = chunk["choices"][0]
+    whole = orjson.loads(derender_whole(model, request, generate))["choices"][0]
+    shown = prompt_ids + (output if max_tokens else [])
+    assert streamed["text"] == whole["text"] == prompt + (model.tokenizer.decode(output) if max_tokens else "")
+    assert streamed["logprobs"] == whole["logprobs"]
+    logprobs = whole["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == [-1.5 - i for i in range(len(prompt_ids) - 1)] + [-0.25] * (
+        len(shown) - len(prompt_ids)
+    )
+    # offsets run over the tokens' own texts (a split character is U+FFFD in each), not the text
+    assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(shown))]
+    assert streamed["prompt_token_ids"] == prompt_ids  # native's echo chunk carries them
+    assert whole["prompt_logprobs"][0] is None and whole["prompt_logprobs"][1][str(prompt_ids[1])]["rank"] == 7
+
+
+def test_echo_without_logprobs_decodes_a_token_prompt(model: Any) -> None:
+    from ext_proc.derender.in_process import derender_whole
+
+    ids = _ids(model, "Hello world")
+    rendered = {"token_ids": ids, "sampling_params": {}, "request_id": "cmpl-t"}
+    body = {"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 2}
+    request = TokenizedRequest(OpenAIRequest(ApiKind.COMPLETIONS, body), "cmpl-t", [PromptTokens.rendered(rendered)])
+    generate = {"choices": [{"index": 0, "token_ids": _ids(model, "!!"), "finish_reason": "length"}]}
+    whole = orjson.loads(derender_whole(model, request, generate))["choices"][0]
+    assert whole["text"] == "Hello world!!" and whole["logprobs"] is None and whole["prompt_logprobs"] is None
+
+
+def test_chat_echo_repeats_the_continued_message_before_the_output(model: Any) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "echo": True,
+        "logprobs": True,
+        "stream": True,
+    }
+    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    ids = _ids(model, " a time")
+    top = {"content": [{"token_id": ids[0], "logprob": -0.1, "rank": 1, "top_logprobs": []}]}
+    events = [{"choices": [{"index": 0, "token_ids": ids[:1], "logprobs": top}]}]
+    chunks = _stream(model, request, events, together=True)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Once upon"},
+    ]
+    assert chunks[2]["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.1  # not merged into the echo

@@ -67,7 +67,7 @@ class FakeDerender:
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> FakeSession:
         return FakeSession()
 
-    async def whole(self, request: TokenizedRequest, generate_body: bytes) -> bytes:
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
         ids = orjson.loads(generate_body)["choices"][0]["token_ids"]
         usage = {"prompt_tokens": 4, "total_tokens": 4 + len(ids), "completion_tokens": len(ids)}
         return orjson.dumps({"choices": [{"index": 0, "ids": ids}], "usage": usage})
