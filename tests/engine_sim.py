@@ -283,7 +283,7 @@ class EngineSim:
                 "model": self.model,
                 "created": int(time.time()),
                 "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-                "prompt_logprobs": None,
+                "prompt_logprobs": self._physical_prompt(_prompt_logprobs(prompt, params.get("prompt_logprobs"))),
                 "prompt_token_id_logprobs": None,
                 "prompt_token_ids": None,
                 "mm_placeholders": None,
@@ -393,6 +393,13 @@ class EngineSim:
                 for top in entry["top_logprobs"]:
                     top["token_id"] = permute([top["token_id"]])[0]
         return {**choice, "token_ids": permute(choice["token_ids"])}
+
+    def _physical_prompt(self, prompt_logprobs: list[Any] | None) -> list[Any] | None:
+        """Prompt logprobs keyed by the ids obfuscated weights compute on."""
+        if self.obfuscation is None or prompt_logprobs is None:
+            return prompt_logprobs
+        permute = self.obfuscation.obfuscate
+        return [None if p is None else {str(permute([int(k)])[0]): v for k, v in p.items()} for p in prompt_logprobs]
 
     async def native(self, request: Request) -> Response:
         """The engine's own OpenAI endpoints (the native path): a fixed short answer."""
@@ -578,6 +585,24 @@ def _logprobs(tokens: list[int], top_k: int | None) -> dict[str, Any] | None:
         tops = [sampled] + [t for t in ranked if t["token_id"] != token]
         content.append({**sampled, "top_logprobs": tops[: max(top_k, 1)]})
     return {"content": content}
+
+
+def _prompt_logprobs(prompt: list[int], top_k: int | None) -> list[Any] | None:
+    """A whole answer's `prompt_logprobs` (only whole answers carry them): None for the first
+    position, then the prompt's id first and k candidates, deterministic from the ids. Their
+    `decoded_token` is the engine's decoding, which the gateway must not rely on (under
+    obfuscation it would be of physical ids)."""
+    if top_k is None:
+        return None
+    out: list[Any] = [None]
+    for i, token in enumerate(prompt[1:]):
+        rank = 1 + (token + i) % 3
+        position = {str(token): {"logprob": -0.5 * rank, "rank": rank, "decoded_token": "?"}}
+        for r in range(1, top_k + 1):
+            other = FIRST_ID + (token * 5 + r) % (VOCAB - FIRST_ID)
+            position.setdefault(str(other), {"logprob": -0.5 * r, "rank": r, "decoded_token": "?"})
+        out.append(position)
+    return out
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

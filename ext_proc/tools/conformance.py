@@ -8,7 +8,8 @@ run first against the native endpoint, whose answer must show the feature the ca
 Both answers are normalized per choice (streams concatenated, tool-call ids reduced to
 "present and stable", ids/timestamps dropped) and compared; streams are also read as raw SSE
 to check the framing a client relies on (one `data: [DONE]` at the end, one `id`, the chunk
-`object`).
+`object`). An error is an answer too: its status and error object (type, message, param,
+code) are compared, in the body or as a stream's in-band error event.
 
 `tito conformance --gateway URL --native URL --model NAME [--only SUBSTRING]` prints one line
 per case and exits non-zero on any difference; the e2e tests run the same cases.
@@ -129,6 +130,8 @@ def _normalize_completion_choice(choice: Mapping[str, Any]) -> Json:
         "finish_reason": choice.get("finish_reason"),
         "stop_reason": choice.get("stop_reason"),
         "logprobs": _completion_logprobs(choice.get("logprobs")),
+        "prompt_logprobs": choice.get("prompt_logprobs"),
+        "prompt_token_ids": choice.get("prompt_token_ids"),
     }
 
 
@@ -142,7 +145,26 @@ def normalize_full(api: Api, body: Mapping[str, Any]) -> Answer:
         "choices": choices,
         "usage": _usage(body.get("usage")),
     }
+    if api == "chat":
+        normalized["prompt_logprobs"] = body.get("prompt_logprobs")
     return Answer(normalized)
+
+
+def _error(raw: Any) -> Json:
+    """An OpenAI error object as compared: what a client reads of it."""
+    error = raw if isinstance(raw, dict) else {"message": raw}
+    return {key: error.get(key) for key in ("type", "message", "param", "code")}
+
+
+def normalize_error(status: int, raw: bytes) -> Answer:
+    """A non-200 answer: its status and error object (no usable answer: `error`)."""
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict) or "error" not in body:
+        return Answer(error=f"HTTP {status} {raw[:200].decode(errors='replace')}")
+    return Answer({"status": status, "error": _error(body["error"])})
 
 
 # --------------------------------------------------------------------------- streams
@@ -175,12 +197,12 @@ def _framing_problems(api: Api, payloads: Sequence[str], chunks: Sequence[Json])
     ids = sorted({str(c.get("id")) for c in chunks})
     if len(ids) > 1:
         problems.append(f"stream: {len(ids)} different chunk ids {ids[:3]}")
-    objects = sorted({str(c.get("object")) for c in chunks} - {CHUNK_OBJECT[api]})
+    objects = sorted({str(c.get("object")) for c in chunks if "error" not in c} - {CHUNK_OBJECT[api]})
     if objects:
         problems.append(f"stream: chunk object {objects} instead of {CHUNK_OBJECT[api]!r}")
-    errors = [c["error"] for c in chunks if "error" in c]
-    if errors:
-        problems.append(f"stream: error event {json.dumps(errors[0])[:120]}")
+    errors = [c for c in chunks if "error" in c]
+    if len(errors) > 1 or (errors and chunks[-1] is not errors[0]):
+        problems.append("stream: an error event that is not the stream's last")
     return problems
 
 
@@ -209,6 +231,7 @@ class _StreamChoice:
     stop_reason: Any = None
     logprobs: list[Any] | None = None
     text_logprobs: Json | None = None
+    prompt_token_ids: list[int] | None = None
 
     def add_tool_delta(self, delta: Mapping[str, Any]) -> None:
         acc = self.tools.setdefault(
@@ -250,6 +273,7 @@ def _feed_chat(acc: _StreamChoice, choice: Mapping[str, Any]) -> None:
 
 def _feed_completion(acc: _StreamChoice, choice: Mapping[str, Any]) -> None:
     acc.content.append(choice.get("text") or "")
+    acc.prompt_token_ids = acc.prompt_token_ids or choice.get("prompt_token_ids")
     logprobs = _completion_logprobs(choice.get("logprobs"))
     if logprobs is not None:
         merged = acc.text_logprobs or {key: [] for key in logprobs}
@@ -266,6 +290,8 @@ def _finish_choice(api: Api, acc: _StreamChoice) -> Json:
             "finish_reason": acc.finish_reason,
             "stop_reason": acc.stop_reason,
             "logprobs": acc.text_logprobs,
+            "prompt_logprobs": None,  # never streamed
+            "prompt_token_ids": acc.prompt_token_ids,
         }
     return {
         "role": acc.role,
@@ -300,12 +326,18 @@ def normalize_stream(api: Api, raw: bytes) -> Answer:
                 acc.stop_reason = choice["stop_reason"]
         if chunk.get("usage") is not None:
             usage = chunk["usage"]
+    data = [c for c in chunks if "error" not in c]
     normalized = {
-        "object": _one({c.get("object") for c in chunks}),
-        "model": _one({c.get("model") for c in chunks}),
+        "object": _one({c.get("object") for c in data}) if data else None,
+        "model": _one({c.get("model") for c in data}) if data else None,
         "choices": {str(i): _finish_choice(api, acc) for i, acc in sorted(accs.items())},
         "usage": _usage(usage),
     }
+    if api == "chat":
+        normalized["prompt_logprobs"] = None  # never streamed
+    errors = [c["error"] for c in chunks if "error" in c]
+    if errors:
+        normalized["error"] = _error(errors[0])
     return Answer(normalized, problems)
 
 
@@ -379,9 +411,10 @@ class Spec:
     body: Mapping[str, Any]  # the request without model and stream
     expect: tuple[Expect, ...]
     stream_usage: bool = False  # streams ask for `stream_options.include_usage`
+    streams: tuple[bool, ...] = (False, True)  # the modes the case runs in
 
     def cases(self) -> list[Case]:
-        return [Case(self, stream) for stream in (False, True)]
+        return [Case(self, stream) for stream in self.streams]
 
 
 @dataclass(frozen=True)
@@ -551,6 +584,8 @@ def _tool_arguments(arguments: Json) -> Expect:
 
 
 COMPLETION_TOKENS_16 = Expect("usage.completion_tokens == 16", lambda a: (a.usage or {}).get("completion_tokens") == 16)
+# `max_tokens: 0` with echo: the engine still generates (and native counts) one token
+COMPLETION_TOKENS_1 = Expect("usage.completion_tokens == 1", lambda a: (a.usage or {}).get("completion_tokens") == 1)
 # vLLM's streaming count skips a token whose text is still an incomplete character unless it
 # shares a chunk with the next one, so it depends on chunk timing; a seed whose every reasoning
 # token has text counts them all, however the stream is chunked.
@@ -565,6 +600,35 @@ NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 # No max_tokens: chat's default is the rest of the context (a regex keeps the answer short but
 # longer than 16 tokens, so a gateway defaulting to 16 would cut it); completions' default is 16.
 LONG_WORDS_REGEX = r"([a-z]{1,5} ){20,24}end\."
+
+# What evaluation harnesses send: lm-eval scores a continuation through an OpenAI endpoint by
+# echoing context + continuation with the prompt's logprobs and no new tokens.
+LOGLIKELIHOOD = "Question: what is the capital of France?\nAnswer: Paris"
+TOKEN_PROMPT = [686, 762, 18, 278, 271]  # the tiny model's ids of "Hello world, this"
+# Chat's `echo` repeats the last message when it has the answer's role: a continued answer.
+CONTINUED = [{"role": "user", "content": ENGLISH}, {"role": "assistant", "content": "Once upon a time"}]
+OUT_OF_VOCABULARY = 999_999  # an id no tokenizer of a test model has: the engine's 400
+
+
+def _echoes(prefix: str) -> Expect:
+    return Expect(f"text starting with {prefix[:20]!r}", _all(lambda c: _text(c).startswith(prefix)))
+
+
+def _echoes_only(prompt: str) -> Expect:
+    return Expect("the prompt alone", _all(lambda c: _text(c) == prompt))
+
+
+def _prompt_scored(choice: Mapping[str, Any]) -> bool:
+    """Completions logprobs that start at the prompt: its first token has none."""
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    return len(values) > 1 and values[0] is None and values[1] is not None
+
+
+PROMPT_SCORED = Expect("logprobs of the prompt's tokens (the first null)", _all(_prompt_scored))
+PROMPT_LOGPROBS = Expect("prompt_logprobs", _all(lambda c: bool(c.get("prompt_logprobs"))))
+CHAT_PROMPT_LOGPROBS = Expect("prompt_logprobs", lambda a: bool(a.normalized.get("prompt_logprobs")))
+BAD_REQUEST = Expect("a BadRequestError", lambda a: (a.normalized.get("error") or {}).get("type") == "BadRequestError")
 
 SPECS: list[Spec] = [
     Spec("content", "chat", _constrained_chat(ENGLISH, 1, max_tokens=24), (HAS_CONTENT, _finish("length"))),
@@ -675,6 +739,91 @@ SPECS: list[Spec] = [
         (NON_ASCII, SPLIT_CHARS),
         stream_usage=True,
     ),
+    # echo and the prompt's logprobs
+    Spec(
+        "loglikelihood",
+        "completions",
+        _completion(LOGLIKELIHOOD, 40, echo=True, logprobs=1, max_tokens=0),
+        (_echoes_only(LOGLIKELIHOOD), PROMPT_SCORED, COMPLETION_TOKENS_1),
+        stream_usage=True,
+    ),
+    Spec(
+        "loglikelihood-1",
+        "completions",
+        _completion(LOGLIKELIHOOD, 41, echo=True, logprobs=1, max_tokens=1),
+        (_echoes(LOGLIKELIHOOD), PROMPT_SCORED),
+    ),
+    Spec(
+        "echo-logprobs",
+        "completions",
+        _completion(CJK_EMOJI, 42, echo=True, logprobs=2, max_tokens=8),
+        (_echoes(CJK_EMOJI), PROMPT_SCORED),
+    ),
+    Spec("echo", "completions", _completion(ENGLISH, 43, echo=True, max_tokens=8), (_echoes(ENGLISH),)),
+    Spec(
+        "echo-token-prompt",
+        "completions",
+        {"prompt": TOKEN_PROMPT, "seed": 44, **SAMPLING, "echo": True, "logprobs": 1, "max_tokens": 4},
+        (PROMPT_SCORED,),
+    ),
+    Spec(
+        "echo-batch",
+        "completions",
+        {"prompt": [ENGLISH, CJK_EMOJI], "seed": 45, **SAMPLING, "echo": True, "logprobs": 1, "max_tokens": 4},
+        (PROMPT_SCORED, TWO_CHOICES),
+        stream_usage=True,
+    ),
+    Spec(
+        "prompt-logprobs",
+        "completions",
+        _completion(ENGLISH, 46, prompt_logprobs=2, max_tokens=4),
+        (PROMPT_LOGPROBS,),
+        streams=(False,),
+    ),
+    Spec(
+        "prompt-logprobs-stream",
+        "completions",
+        _completion(ENGLISH, 46, prompt_logprobs=2, max_tokens=4),
+        (BAD_REQUEST,),
+        streams=(True,),
+    ),
+    Spec(
+        "prompt-logprobs",
+        "chat",
+        _chat(ENGLISH, 47, prompt_logprobs=1, max_tokens=4),
+        (CHAT_PROMPT_LOGPROBS,),
+        streams=(False,),
+    ),
+    Spec(
+        "echo",
+        "chat",
+        {
+            "messages": CONTINUED,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "seed": 48,
+            **SAMPLING,
+            **NO_THINK,
+            "echo": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "max_tokens": 8,
+        },
+        (_echoes("Once upon a time"), CHAT_TOP2),
+    ),
+    # in-band engine errors: a stream's error event, a whole answer's status and body
+    Spec(
+        "bad-logit-bias",
+        "chat",
+        _chat(ENGLISH, 49, max_tokens=4, logit_bias={str(OUT_OF_VOCABULARY): 1.0}),
+        (BAD_REQUEST,),
+    ),
+    Spec(
+        "bad-stop-token-ids",
+        "completions",
+        _completion(ENGLISH, 50, max_tokens=4, stop_token_ids=[OUT_OF_VOCABULARY]),
+        (BAD_REQUEST,),
+    ),
 ]
 CASES: list[Case] = [case for spec in SPECS for case in spec.cases()]
 
@@ -704,7 +853,7 @@ def fetch(client: httpx.Client, base_url: str, case: Case, model: str) -> Answer
     except httpx.HTTPError as error:
         return Answer(error=f"{type(error).__name__}: {error}")
     if response.status_code != 200:
-        return Answer(error=f"HTTP {response.status_code} {raw[:200].decode(errors='replace')}")
+        return normalize_error(response.status_code, raw)
     if case.stream:
         return normalize_stream(case.api, raw)
     try:

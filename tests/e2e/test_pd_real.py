@@ -5,7 +5,7 @@ The decode engines' own metric proves they loaded each prompt's KV from prefill,
 temperature 0 the answer equals the union stack's for the same request. A batch of prompts
 is one Handoff per prompt, merged as the decode engine's native answer to the batch; a
 stream whose decode engine is killed mid-answer goes on after a new prefill of the replay
-prompt on the other decode engine.
+prompt on the other decode engine. Echo and prompt logprobs equal native on this path too.
 
 The same with NixlConnector (the production connector) is opt-in: TITO_TEST_NIXL=1 (needs
 `nixl-cu12`; slow on 2 cores, see ../shared/docs/vllm-pd-and-kv-events-on-cpu.md §1)."""
@@ -20,6 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from ext_proc.tools.conformance import CASES, Case, run_case
 from tests.conftest import RunningStack, free_port, gateway_config, tito_up
 from tests.e2e.engine_kill import client, cut_mid_answer, relayed
 
@@ -145,6 +146,19 @@ def test_a_batch_is_one_handoff_per_prompt_and_equals_native(pd_stack: RunningSt
         native_usage.prompt_tokens,
         native_usage.completion_tokens,
     )
+
+
+SCORED_PROMPT_CASES = [c for c in CASES if {"echo", "prompt_logprobs"} & set(c.spec.body)]
+
+
+@pytest.mark.parametrize("case", SCORED_PROMPT_CASES, ids=lambda case: case.name)
+def test_echo_and_prompt_logprobs_through_handoff_equal_native(pd_stack: RunningStack, case: Case) -> None:
+    """What evaluation harnesses send, on the processor-owned Handoff path (relay on): the
+    decode engine computes the prompt's logprobs itself (vLLM reads no KV for such a request),
+    the answer equals its native one."""
+    decode = pd_stack.config.pools[1].instances[0].url
+    result = run_case(case, pd_stack.base_url, decode, pd_stack.config.model.served_name)
+    assert result.status == "PASS", "\n".join(result.lines)
 
 
 def test_a_stream_whose_decode_engine_dies_is_prefilled_again_and_goes_on(pd_stack: RunningStack) -> None:

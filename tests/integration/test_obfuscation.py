@@ -33,6 +33,10 @@ CASES = {
     "completions": ("/v1/completions", COMPLETION),
     "completions-stream": ("/v1/completions", {**COMPLETION, "stream": True}),
     "batch": ("/v1/completions", {**COMPLETION, "prompt": ["one", "two two"]}),
+    # the prompt's logprobs come back keyed by physical ids, in whole answers only
+    "echo": ("/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 0}),
+    "echo-stream": ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}),
+    "prompt-logprobs": ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 2}),
 }
 
 
