@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -168,6 +168,10 @@ class DerenderConfig(_Strict):
     """
 
     mode: Literal["in_process", "sidecar"] = "in_process"
+    # Engine-side coalescing: vLLM's per-request `stream_interval` (an engine event carries up
+    # to k new tokens; the first and the last go at once). 1: one event per token, as native;
+    # N: always N; auto: 1 while the processor keeps up, raised with its event-loop lag.
+    stream_interval: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
 
 
 class ModelConfig(_Strict):

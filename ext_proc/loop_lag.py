@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from itertools import islice
 from typing import Any
 
 
@@ -29,6 +30,11 @@ class LoopLag:
             lag_ms = max(loop.time() - start - self._interval, 0.0) * 1000
             self._samples.append(lag_ms)
             self.max_ms = max(self.max_ms, lag_ms)
+
+    def recent_ms(self, samples: int = 20) -> float:
+        """The worst lag of the last `samples` ticks (a second at 50 ms): what a stream
+        starting now is likely to see."""
+        return max(islice(reversed(self._samples), samples), default=0.0)
 
     def snapshot(self) -> dict[str, Any]:
         ordered = sorted(self._samples)

@@ -25,6 +25,7 @@ from ext_proc.legs.engine_metrics import engine_metrics_pollers
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.kv_events import KvEventSubscriber
 from ext_proc.legs.trigger import Triggers
+from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import build_codec
 from ext_proc.observability.request import Observability
 from ext_proc.observability.tracing import tracer_from_environment
@@ -154,6 +155,8 @@ def build_services(
     )
     scheduler = build_scheduler(config, gated=config.capabilities.enable)
     planner = Planner(config, tokenization, scheduler)
+    loop_lag = LoopLag()
+    planner.loop_lag_ms = loop_lag.recent_ms
     capabilities = Capabilities(config, scheduler, tokenization, http) if config.capabilities.enable else None
     collector = config.tracing.collector
     tracer = tracer_from_environment(collector.url if collector is not None else None)
@@ -175,6 +178,7 @@ def build_services(
         codec=codec,
         observability=observability,
         capabilities=capabilities,
+        loop_lag=loop_lag,
     )
     observability.metrics.watch(lambda: state(services))
     return services

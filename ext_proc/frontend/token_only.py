@@ -37,6 +37,7 @@ def generate_body(
     kv_transfer_params: dict[str, Any] | None = None,
     min_tokens: int | None = None,
     stream: bool | None = None,
+    stream_interval: int = 1,
 ) -> bytes:
     """The engine body for one prompt and one leg: render's GenerateRequest with the gateway's
     final max_tokens (always explicit: see `requested_max_tokens`).
@@ -46,7 +47,8 @@ def generate_body(
     (prefill's answer for a Handoff decode leg; Trigger's metaserver or callback params), top
     level and in `extra_args`, where vLLM's connectors look. The gateway owns these fields:
     a client's values never get here. `stream`: whether the engine streams
-    (`TokenizedRequest.generate_streams`); None keeps render's."""
+    (`TokenizedRequest.generate_streams`); None keeps render's. `stream_interval`: tokens
+    per engine event (`planning/stream_interval.py`; 1 is the engine's default, not sent)."""
     if prompt.generate_request is None:
         raise ValueError("a token-only request needs render's metadata; locally tokenized prompts go native")
     rendered = prompt.engine_request or prompt.generate_request  # physical ids with obfuscation on
@@ -68,6 +70,8 @@ def generate_body(
         kv_transfer_params = kv_transfer_params or {"do_remote_decode": True, "do_remote_prefill": False}
     if min_tokens is not None:
         params["min_tokens"] = min_tokens
+    if stream_interval > 1 and body.get("stream"):
+        params["stream_interval"] = stream_interval
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
         params["extra_args"] = {"kv_transfer_params": kv_transfer_params}

@@ -154,6 +154,7 @@ class PromptStream:
             min_tokens=min_tokens or None,
             kv_transfer_params=kv_transfer_params,
             stream=self._plan.tokenized.generate_streams,
+            stream_interval=self._plan.stream_interval,
         )
 
     # -- non-streaming ----------------------------------------------------------------

@@ -155,6 +155,9 @@ class Metrics:
         self.completion_tokens = histogram(
             "tito_completion_tokens", "completion tokens per request", ("api",), TOKEN_BUCKETS
         )
+        self.stream_interval = histogram(
+            "tito_stream_interval", "tokens per engine event asked of a request's engines", (), (1, 2, 4, 8, 16, 32, 64)
+        )
         self.derender_chunk = ChunkHistogram("tito_derender_chunk_seconds", "derender time per client chunk")
         registry.register(self.derender_chunk)
         self.requests = counter(

@@ -61,6 +61,7 @@ class RequestRecord:
         self.prompt_tokens = 0
         self._matched: dict[str, int] = {}  # lease -> prompt tokens its instance held
         self.completion_tokens = 0
+        self.stream_interval = 1  # tokens per engine event its engine streams were asked for
         self._first_chunk: float | None = None
         self._chunks = ChunkCounts()
         self._span: Span | None = None
@@ -102,6 +103,11 @@ class RequestRecord:
         self._o.metrics.schedule_seconds.observe(ended - started)
         self._child("schedule", started, ended, **{"tito.prompt_tokens": prompt_tokens})
 
+    def coalesced(self, stream_interval: int) -> None:
+        """The request's engine streams carry up to `stream_interval` tokens per event."""
+        self.stream_interval = stream_interval
+        self._o.metrics.stream_interval.observe(stream_interval)
+
     def rejected(self, code: str) -> None:
         self._o.metrics.admission_rejections.labels(code).inc()
 
@@ -114,7 +120,15 @@ class RequestRecord:
         """An engine leg starts: logged; its span's context as the engine's `traceparent`
         (tracing off: none, the client's own goes on)."""
         instance, matched = hosts[0] if hosts else "", self._matched.get(lease_id, 0)
-        stage("generate", self.request_id, lease=lease_id, role=role, instance=instance, matched_tokens=matched)
+        stage(
+            "generate",
+            self.request_id,
+            lease=lease_id,
+            role=role,
+            instance=instance,
+            matched_tokens=matched,
+            stream_interval=self.stream_interval,
+        )
         if self._span is None or self._o.tracer is None:
             return {}
         span = tracing.child_span(self._o.tracer, self._span, "generate", time.time_ns(), SpanKind.CLIENT)

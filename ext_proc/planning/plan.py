@@ -64,6 +64,7 @@ class TokenOnly:
     kv_params_required: bool = False  # the pool's connector hands KV over through prefill's params
     kv_transfer_params: dict[str, Any] | None = None  # for the routed leg: what prefill returned, or Trigger's
     trigger_attempt: int | None = None  # Trigger: decode goes first; its engine calls back for prefill
+    stream_interval: int = 1  # tokens per engine event (`planning/stream_interval.py`)
 
     @property
     def routed(self) -> Leg:
@@ -80,6 +81,7 @@ class Owned:
     tokenized: TokenizedRequest
     legs: tuple[Leg, ...]  # one per prompt, in prompt order; their leases are the fan-out's
     relay: bool = False
+    stream_interval: int = 1  # tokens per engine event (`planning/stream_interval.py`)
 
 
 Plan = Local | Passthrough | Native | TokenOnly | Owned

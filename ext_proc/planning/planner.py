@@ -27,6 +27,7 @@ from ext_proc.model_files import vocab_size
 from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly
+from ext_proc.planning.stream_interval import stream_interval
 from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
@@ -44,6 +45,7 @@ class Planner:
         self.scheduler = scheduler
         self._clock = clock
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
+        self.loop_lag_ms: Callable[[], float] = lambda: 0.0  # the processor's recent event-loop lag
         decode = config.pool("decode")
         self.kv_params_required = decode is not None and decode.kv_connector == "nixl"
         # Trigger callbacks reach the processor's admin port, never the public listener.
@@ -80,7 +82,17 @@ class Planner:
         return plan
 
     def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
-        """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it)."""
+        """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it),
+        and how many tokens each event of its engine streams carries."""
+        plan = self._place(tokenized, raw)
+        if not isinstance(plan, TokenOnly | Owned) or not tokenized.generate_streams:
+            return plan
+        k = stream_interval(self._config.derender.stream_interval, self.loop_lag_ms())
+        if (record := current()) is not None:
+            record.coalesced(k)
+        return replace(plan, stream_interval=k) if k > 1 else plan
+
+    def _place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         now = self._clock()
         batch = len(tokenized.prompts) > 1
         unpaired: Rejection | None = None
@@ -360,6 +372,7 @@ def routed_body(plan: TokenOnly) -> bytes:
         request_id=leg.lease_id,
         kv_transfer_params=plan.kv_transfer_params,
         stream=plan.tokenized.generate_streams,
+        stream_interval=plan.stream_interval,
     )
 
 

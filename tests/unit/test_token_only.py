@@ -59,3 +59,24 @@ def test_client_fields_that_steer_engines_never_reach_them() -> None:
     assert not {"priority", "cache_salt", "kv_transfer_params", "ec_transfer_params", "token_offsets"} & set(body)
     assert body["sampling_params"] == {"max_tokens": 4}
     assert body["reasoning_ended"] is False and body["stream"] is True
+
+
+def test_a_stream_asks_for_k_tokens_per_event_and_a_whole_answer_never() -> None:
+    prompt = PromptTokens.rendered(RENDERED)
+    params = orjson.loads(generate_body(prompt, 8, ApiKind.CHAT, stream_interval=4))["sampling_params"]
+    assert params["stream_interval"] == 4
+    assert "stream_interval" not in orjson.loads(generate_body(prompt, 8, ApiKind.CHAT))["sampling_params"]
+    whole = orjson.loads(generate_body(prompt, 8, ApiKind.COMPLETIONS, stream=False, stream_interval=4))
+    assert whole["stream"] is False and whole["stream_options"] is None
+    assert "stream_interval" not in whole["sampling_params"]
+
+
+def test_stream_interval_auto_rises_with_the_event_loop_lag() -> None:
+    from ext_proc.planning.stream_interval import AUTO_MAX, LAG_STEP_MS, stream_interval
+
+    assert stream_interval(3, 100.0) == 3  # a fixed setting is kept whatever the load
+    assert (
+        stream_interval("auto", 0.0) == stream_interval("auto", LAG_STEP_MS * 0.9) == 1
+    )  # keeping up: native's chunking
+    assert [stream_interval("auto", LAG_STEP_MS * m) for m in (1, 2, 4, 8)] == [2, 4, 8, 16]
+    assert stream_interval("auto", 1e6) == AUTO_MAX
