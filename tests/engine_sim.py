@@ -273,7 +273,9 @@ class EngineSim:
             kv_params = None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self._stream(request_id, outputs, usage, include_usage, fault, (finish, stop_reason, top_k))
+            interval = int(params.get("stream_interval") or 1)
+            end = (finish, stop_reason, top_k, interval)
+            events = self._stream(request_id, outputs, usage, include_usage, fault, end)
             return StreamingResponse(events, media_type="text/event-stream")
         if self.ttft_s or self.token_delay_s:
             await asyncio.sleep(self.ttft_s + self.token_delay_s * len(tokens))
@@ -327,13 +329,16 @@ class EngineSim:
         usage: dict[str, int],
         include_usage: bool,
         fault: Fault | None,
-        end: tuple[str, int | str | None, int | None],
+        end: tuple[str, int | str | None, int | None, int],
     ) -> AsyncIterator[bytes]:
-        """One event per step and choice (choices interleaved, as the engine emits them)."""
-        finish, stop_reason, top_k = end
+        """One event per step and choice (choices interleaved, as the engine emits them); with
+        `stream_interval: k` a step is the first token alone, then k tokens, then the rest, as
+        vLLM's output processor sends them. A fault strikes at step `after_tokens`."""
+        finish, stop_reason, top_k, interval = end
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
-        for i in range(max(len(output) for output in outputs)):
+        steps = [_intervals(output, interval) for output in outputs]
+        for i in range(max(len(output) for output in steps)):
             if fault is not None and i == fault.after_tokens:
                 if fault.kind == "inband_error":
                     yield _sse(
@@ -355,20 +360,20 @@ class EngineSim:
                 if fault.kind == "garbage":
                     yield _sse({"request_id": request_id, "choices": 5})
             if self.token_delay_s and i:
-                await asyncio.sleep(self.token_delay_s)
-            for c, tokens in enumerate(outputs):
-                if i >= len(tokens):
+                await asyncio.sleep(self.token_delay_s * len(steps[0][i] if i < len(steps[0]) else [0]))
+            for c, (tokens, choice_steps) in enumerate(zip(outputs, steps, strict=True)):
+                if i >= len(choice_steps):
                     continue
-                last = i == len(tokens) - 1
+                last = i == len(choice_steps) - 1
                 choice = {
                     "index": c,
                     "finish_reason": finish if last else None,
                     "stop_reason": stop_reason if last else None,
-                    "token_ids": [tokens[i]],
+                    "token_ids": choice_steps[i],
                     "routed_experts": None,
                     "sampling_mask": None,
                     "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
-                    "logprobs": _logprobs([tokens[i]], top_k),
+                    "logprobs": _logprobs(choice_steps[i], top_k),
                 }
                 event = {
                     "request_id": request_id,
@@ -585,6 +590,13 @@ def _logprobs(tokens: list[int], top_k: int | None) -> dict[str, Any] | None:
         tops = [sampled] + [t for t in ranked if t["token_id"] != token]
         content.append({**sampled, "top_logprobs": tops[: max(top_k, 1)]})
     return {"content": content}
+
+
+def _intervals(tokens: list[int], k: int) -> list[list[int]]:
+    """A choice's output as the engine's events carry it at `stream_interval` k."""
+    if not tokens:
+        return []
+    return [tokens[:1]] + [tokens[i : i + k] for i in range(1, len(tokens), k)]
 
 
 def _prompt_logprobs(prompt: list[int], top_k: int | None) -> list[Any] | None:

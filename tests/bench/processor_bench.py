@@ -2,8 +2,8 @@
 
 Real Envoy + processor + a real vLLM render sidecar (qwen3/hermes parsers) over the engine
 simulator at full speed (no delays, a separate process: `python -m tests.engine_sim`, one token
-per SSE event). The simulator answers every request with the same scripted tokens, which mean
-something to the parsers: reasoning, `</think>`, content (ASCII, CJK, emoji), then one hermes
+per SSE event unless a request asks for more with `stream_interval`). The simulator answers
+every request with the same scripted tokens, which mean something to the parsers: reasoning, `</think>`, content (ASCII, CJK, emoji), then one hermes
 tool call at the end. K concurrent streaming chat requests (with `tools`) run until R requests
 are done; the clients count the SSE chunks they receive (all `data:` events but `[DONE]`), and
 /proc gives the CPU seconds every process used meanwhile. Chunks per processor-CPU-second is
@@ -17,8 +17,14 @@ runs. Printed: requests/s and client chunks/s (wall clock), processor CPU second
 supervisor's process group: every worker), chunks per processor-CPU-second, where the CPU went
 (every process group), and the ratio N workers / the fewest against the target of 1.7x.
 
+Engine-side coalescing (`--stream-interval 1 auto 4`): the same load at each
+`derender.stream_interval`, processor and Envoy restarted for every run; printed per run, then
+processor CPU per engine token (the simulator sends k tokens per event as vLLM does) against
+the target of 40 us with auto.
+
 Run: `python -m tests.bench.processor_bench [--derender in_process|sidecar] [--concurrency 16]
-[--requests 64] [--max-tokens 512] [--workers 1 2 [--rounds 2]]` (from the repository root).
+[--requests 64] [--max-tokens 512] [--workers 1 2 [--rounds 2]] [--stream-interval 1 auto]`
+(from the repository root).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from tests.conftest import free_ports
 REPO = Path(__file__).resolve().parents[2]
 TARGET_CHUNKS_PER_CPU_S = 10_000
 TARGET_SCALE_OUT = 1.7  # requests/s and chunks/s of 2 workers over 1 (the scale-out issue)
+TARGET_US_PER_TOKEN = 40  # processor CPU per engine token at 8 streams, stream_interval auto
 OUTSIDE_NOISE = 0.10  # other processes' CPU during a run, share of one core, worth a warning
 
 REASONING = "Let me think step by step. The user asks about the weather in Paris, so I should call the tool. "
@@ -181,6 +188,7 @@ class Result:
     workers: int = 1
     processor_cpu_s: dict[str, float] = field(default_factory=dict)  # supervisor, worker 0, ...
     machine_cpu_s: float = float("nan")  # busy CPU of the whole machine meanwhile, ours and others'
+    stream_interval: int | str = "auto"  # derender.stream_interval of the run
 
     @property
     def requests_per_s(self) -> float:
@@ -197,7 +205,7 @@ class Result:
 
     @property
     def engine_chunks_per_processor_cpu_s(self) -> float:
-        """Engine SSE events (one token each) the processor took in per CPU second."""
+        """Engine tokens the processor took in per CPU second (one per SSE event at stream_interval 1)."""
         cpu = self.cpu_s["processor"]
         return self.tokens / cpu if cpu > 0 else float("nan")
 
@@ -214,7 +222,8 @@ class Result:
     def report(self) -> str:
         workers = f", {self.workers} processor workers" if self.workers > 1 else ""
         lines = [
-            f"processor-only throughput: derender {self.derender}, qwen3 + hermes parsers{workers}, "
+            f"processor-only throughput: derender {self.derender} (stream_interval {self.stream_interval}), "
+            f"qwen3 + hermes parsers{workers}, "
             f"{self.concurrency} concurrent streams, {self.requests} requests x {self.max_tokens} tokens "
             "(engine simulator, no delays)",
             f"clients received {self.chunks} chunks ({self.tokens} tokens) in {self.wall_s:.2f} s: "
@@ -238,9 +247,9 @@ class Result:
             f"({1e6 / per_cpu:.0f} us CPU per client chunk); target {target:,}: {per_cpu / target:.2f}x"
         )
         lines.append(
-            f"  engine side: {engine_per_cpu:.0f} engine chunks (= tokens) per processor-CPU-second "
-            f"({1e6 / engine_per_cpu:.0f} us per engine chunk; {self.tokens / max(self.chunks, 1):.1f} "
-            f"engine chunks per client chunk, coalesced when they queue up); target {target:,}: "
+            f"  engine side: {engine_per_cpu:.0f} engine tokens per processor-CPU-second "
+            f"({1e6 / engine_per_cpu:.0f} us per engine token; {self.tokens / max(self.chunks, 1):.1f} "
+            f"tokens per client chunk, coalesced when they queue up); target {target:,}: "
             f"{engine_per_cpu / target:.2f}x"
         )
         for n, lag in enumerate(self.loop_lags):
@@ -271,14 +280,21 @@ def processor_ports(workers: int | None) -> dict[str, int]:
 class SimGatewayStack:
     """Render sidecar + engine simulator (processes) + processor + Envoy, on free ports."""
 
-    def __init__(self, work_dir: Path, model_path: Path, derender: str, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        model_path: Path,
+        derender: str,
+        workers: int | None = None,
+        stream_interval: int | str = "auto",
+    ) -> None:
         self.sim_port = free_port()
         config = TitoConfig.model_validate(
             {
                 "listener": {"port": free_port(), "admin_port": free_port()},
                 "processor": processor_ports(workers),
                 "render_config": {"endpoint": {"port": free_port()}},
-                "derender": {"mode": derender},
+                "derender": {"mode": derender, "stream_interval": stream_interval},
                 "model": {"path": str(model_path), **PARSERS},
                 "pools": [{"instances": [{"port": self.sim_port}]}],
                 # The processor subscribes to the simulator's KV cache events (scheduler.prefix_source
@@ -313,9 +329,9 @@ class SimGatewayStack:
             self.stack.stop()
             raise
 
-    def restart_gateway(self, workers: int) -> None:
-        """Processor (with `workers` workers) and Envoy anew, on new ports; the render sidecar
-        and the simulator keep running."""
+    def restart_gateway(self, workers: int, stream_interval: int | str | None = None) -> None:
+        """Processor (with `workers` workers, and `stream_interval` if given) and Envoy anew, on
+        new ports; the render sidecar and the simulator keep running."""
         for name in ("envoy", "processor"):
             process = self.stack.processes.pop(name, None)
             if process is not None:
@@ -323,6 +339,8 @@ class SimGatewayStack:
         dumped = self.stack.config.model_dump()
         listener = {**dumped["listener"], "port": free_port(), "admin_port": free_port()}
         processor = {**dumped["processor"], **processor_ports(workers)}
+        if stream_interval is not None:
+            dumped["derender"]["stream_interval"] = stream_interval
         self.stack.config = TitoConfig.model_validate({**dumped, "listener": listener, "processor": processor})
         self.config = self.stack.config
         try:
@@ -405,6 +423,7 @@ def run(gateway: SimGatewayStack, concurrency: int, requests: int, max_tokens: i
         workers,
         by_process,
         machine,
+        gateway.config.derender.stream_interval,
     )
 
 
@@ -517,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         help="processor worker counts to compare, e.g. 1 2 (default: one run, the config's processor)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --workers: ABBA rounds over the counts")
+    parser.add_argument(
+        "--stream-interval",
+        nargs="+",
+        default=["auto"],
+        type=_interval,
+        help="derender.stream_interval per run (e.g. `1 auto`: the same load at each, compared)",
+    )
     parser.add_argument("--cache-dir", default="~/.cache/tito", help="where the tiny model is (generated if missing)")
     parser.add_argument("--work-dir", help="config and logs (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true")
@@ -526,14 +552,17 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tito-processor-bench-"))
     order = abba(sorted(set(args.workers)), args.rounds) if args.workers else []
     model_path = ensure_tiny_model(Path(args.cache_dir).expanduser())
-    gateway = SimGatewayStack(work_dir, model_path, args.derender, order[0] if order else None)
+    intervals: list[int | str] = args.stream_interval
+    gateway = SimGatewayStack(work_dir, model_path, args.derender, order[0] if order else None, intervals[0])
     signal.signal(signal.SIGTERM, _raise_interrupt)
     print(f"starting render sidecar, simulator, processor, Envoy (logs in {work_dir / 'logs'}) ...", file=sys.stderr)
     requests = args.requests or 4 * args.concurrency
     results: list[Result] = []
     try:
         gateway.start()
-        if not order:
+        for n, interval in enumerate(intervals if not order else []):
+            if n > 0:
+                gateway.restart_gateway(gateway.config.processor.workers, interval)
             results.append(run(gateway, args.concurrency, requests, args.max_tokens, args.derender))
         for n, workers in enumerate(order):
             if n > 0:  # every run on a fresh processor and Envoy, the first one's included
@@ -552,9 +581,30 @@ def main(argv: list[str] | None = None) -> int:
         print(scale_out_report(results))
         print(machine_summary())
     else:
-        print(results[0].report())
+        for result in results:
+            print(result.report())
+        if len(results) > 1:
+            print(interval_report(results))
         print(machine_summary())
     return 1 if errors else 0
+
+
+def _interval(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def interval_report(results: list[Result]) -> str:
+    """Processor CPU per engine token at each `stream_interval`, against the first run's."""
+    first = 1e6 / results[0].engine_chunks_per_processor_cpu_s
+    lines = [f"processor CPU per engine token (target {TARGET_US_PER_TOKEN} us with auto):"]
+    for result in results:
+        per_token = 1e6 / result.engine_chunks_per_processor_cpu_s
+        lines.append(
+            f"  stream_interval {result.stream_interval!s:>4}: {per_token:6.1f} us per token, "
+            f"{result.chunks_per_processor_cpu_s:7.0f} client chunks per processor-CPU-second, "
+            f"x{per_token / first:.2f} of stream_interval {results[0].stream_interval}"
+        )
+    return "\n".join(lines)
 
 
 def _summary(result: Result) -> dict[str, Any]:

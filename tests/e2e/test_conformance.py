@@ -26,7 +26,7 @@ from ext_proc.tools.conformance import (
     normalize_stream,
     run_case,
 )
-from tests.conftest import RunningStack
+from tests.conftest import RealGateway, RunningStack, start_real_gateway
 
 MODES = ("in_process", "sidecar")
 
@@ -159,3 +159,22 @@ def test_gateway_answer_equals_native_vllm(
         return
     result = run_case(case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client)
     assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+
+
+@pytest.fixture(scope="module")
+def coalesced_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealGateway]:
+    """The stack's engine behind a gateway that asks it for 16 tokens per stream event."""
+    gateway = start_real_gateway(stack, tmp_path_factory.mktemp("coalescedgw"), derender={"stream_interval": 16})
+    yield gateway
+    gateway.gateway.stop()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.stream], ids=lambda case: case.name)
+def test_a_stream_of_16_tokens_per_engine_event_equals_native_vllm(
+    case: Case, stack: RunningStack, coalesced_gateway: RealGateway, conformance_client: httpx.Client
+) -> None:
+    """Engine-side coalescing (`derender.stream_interval`) changes how many messages carry
+    the answer, never the answer: the native side streams one token per event."""
+    model = stack.config.model.served_name
+    result = run_case(case, coalesced_gateway.base_url, stack.engine_url, model, conformance_client)
+    assert result.status == "PASS", f"{result.status} {case.name} (stream_interval 16):\n" + "\n".join(result.lines)
