@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -492,7 +493,7 @@ def echoed(
     text: str,
     prompt_positions: list[Position | Unscored] | None,
     output_text: str,
-    output_positions: list[Position] | None,
+    output_positions: Sequence[Position | Unscored] | None,
     generates: bool,
 ) -> tuple[str, list[Position | Unscored] | None]:
     """Completions `echo`: the prompt (its text and logprobs) before the choice's first output,
@@ -646,14 +647,14 @@ def _completion_response(
         token_ids = list(output.get("token_ids") or [])
         completion_tokens += len(token_ids)
         text = _final_text(model, prompt, prompt.sampling_params, output)
-        positions: list[Position | Unscored] | None = None
+        positions: Sequence[Position | Unscored] | None = None
         if client.logprobs is not None:
-            positions = list(model.logprobs.positions(output.get("logprobs"), []))
+            positions = model.logprobs.positions(output.get("logprobs"), [])
         if client.echo:
             if positions is not None and prompt_positions is None:
                 prompt_positions = _prompt_positions(model, prompt, None)  # raises: the engine sent none
             shown = prompt_text(model, client, prompt, prompt_index)
-            text, positions = echoed(shown, prompt_positions, text, positions, client.max_tokens != 0)  # type: ignore[arg-type]
+            text, positions = echoed(shown, prompt_positions, text, positions, client.max_tokens != 0)
         logprobs = None if positions is None else completion_logprobs(positions, client.logprobs, 0)
         choices.append(
             {
