@@ -350,7 +350,11 @@ def start_sim_gateway(
 ) -> tuple[SimGateway, list[SimServer]]:
     """A gateway over `n_engines` simulators; render is the stack's real sidecar unless
     `render_port` points elsewhere (a fault proxy in front of it, or nothing at all).
-    `kv_events`: the simulators publish KV cache events and the processor subscribes."""
+    `kv_events`: the simulators publish KV cache events and the processor subscribes.
+    One token per engine event unless `derender` says otherwise: scripted faults strike at an
+    event, and tests count the tokens before them (`derender.stream_interval` auto would pick
+    k by the machine's load)."""
+    sections["derender"] = {"stream_interval": 1, **sections.get("derender", {})}
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [_sim_instance(s.sim, kv_events) for s in servers]
     config, gateway = start_gateway(stack, work, engines, render_port, **sections)

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import httpx
@@ -338,6 +339,7 @@ class EngineSim:
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
         steps = [_intervals(output, interval) for output in outputs]
+        starts = [list(accumulate((len(step) for step in choice[:-1]), initial=0)) for choice in steps]
         for i in range(max(len(output) for output in steps)):
             if fault is not None and i == fault.after_tokens:
                 if fault.kind == "inband_error":
@@ -373,7 +375,7 @@ class EngineSim:
                     "routed_experts": None,
                     "sampling_mask": None,
                     "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if last else None,
-                    "logprobs": _logprobs(choice_steps[i], top_k),
+                    "logprobs": _logprobs(choice_steps[i], top_k, starts[c][i]),
                 }
                 event = {
                     "request_id": request_id,
@@ -574,13 +576,14 @@ def _is_probe(request: Request) -> bool:
     return request.headers.get("user-agent") == "tito-capabilities"  # ext_proc/legs/capabilities.py
 
 
-def _logprobs(tokens: list[int], top_k: int | None) -> dict[str, Any] | None:
+def _logprobs(tokens: list[int], top_k: int | None, start: int = 0) -> dict[str, Any] | None:
     """Generate's `GenerateLogProbs` (0.32): per token the sampled entry, then a list cut to
-    max(k, 1) entries in all, sampled first; deterministic values derived from the ids."""
+    max(k, 1) entries in all, sampled first; deterministic values derived from the ids and
+    their place in the output (`start`: of the first), however the events cut it."""
     if top_k is None:
         return None
     content = []
-    for i, token in enumerate(tokens):
+    for i, token in enumerate(tokens, start):
         rank = 1 + (token + i) % 3  # sometimes the sampled token is the top candidate
         sampled = {"token_id": token, "logprob": -0.25 * rank, "rank": rank}
         others = [FIRST_ID + (token * 7 + r) % (VOCAB - FIRST_ID) for r in range(1, top_k + 2)]

@@ -207,3 +207,52 @@ def test_a_client_leaving_a_relayed_stream_closes_its_engine_stream(gw: SimGatew
         for _ in response.iter_raw():
             break
     assert _wait_cut(gw, 1) < 1.0
+
+
+# -- engine-side coalescing ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coalesced(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
+    """Engines asked for 4 tokens per event (`derender.stream_interval`)."""
+    with running_sim_gateway(
+        stack,
+        tmp_path_factory.mktemp("coalesced"),
+        2,
+        derender={"stream_interval": 4},
+        scheduler={"policy": "round_robin", "breaker": {"failure_threshold": 1000}},
+        reschedule={"enable": True, "first_token_timeout_s": 2.0, "inter_token_timeout_s": 1.0},
+        logging={"format": "json"},
+    ) as gateway:
+        gateway.restore()
+        yield gateway
+        gateway.assert_no_leaks()
+
+
+def test_relay_and_fan_out_at_four_tokens_per_engine_event(coalesced: SimGateway) -> None:
+    """The engine's third event never comes (its first carries one token, its second four):
+    the relay goes on from the 5 committed ids, asking the next engine for 4 per event too,
+    and a batch merges as it does one token at a time."""
+    fault = Fault("abort", after_tokens=2, times=1)  # counted in engine events
+    for sim in coalesced.sims:
+        sim.fault = fault
+    body = {"model": "tiny", "prompt": "relay me", "max_tokens": 20, "stream": True, "return_token_ids": True}
+    events = _events(httpx.post(coalesced.base_url + "/v1/completions", json=body, timeout=30).content)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    calls = sorted(_generate_calls(coalesced), key=lambda call: len(call[1]["token_ids"]))
+    assert [call["sampling_params"]["stream_interval"] for _, call in calls] == [4, 4]
+    (_, first), (_, second) = calls
+    committed = second["token_ids"][len(first["token_ids"]) :]
+    assert committed == coalesced.sims[0].script(first["token_ids"], 20)[:5]
+    assert second["sampling_params"]["max_tokens"] == 15
+    streamed = [i for e in events[:-1] for c in e["choices"] for i in c["token_ids"] or []]
+    assert streamed == committed + coalesced.sims[0].script(second["token_ids"], 15)
+
+    for sim in coalesced.sims:
+        sim.fault = None
+    batch = {**BATCH, "stream": True, "stream_options": {"include_usage": True}}
+    streamed_batch = _events(httpx.post(coalesced.base_url + "/v1/completions", json=batch, timeout=30).content)
+    whole = httpx.post(coalesced.base_url + "/v1/completions", json=BATCH, timeout=30).json()
+    assert _texts(streamed_batch) == {c["index"]: c["text"] for c in whole["choices"]}
+    usage = streamed_batch[-2]["usage"]
+    assert usage == {key: whole["usage"][key] for key in usage} and usage["completion_tokens"] == 36
