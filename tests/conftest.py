@@ -326,7 +326,11 @@ def start_gateway(
     stack: RunningStack, work: Path, engines: list[Endpoint], render_port: int | None = None, **sections: Any
 ) -> tuple[TitoConfig, LocalStack]:
     """Envoy + processor only (the engines and render are already running): the stack's model
-    section (path, parsers, context), which must match the render sidecar's and the engines'."""
+    section (path, parsers, context), which must match the render sidecar's and the engines'.
+    One token per engine event unless `derender` says otherwise: simulators' scripted faults
+    strike at an event, and tests count the tokens before them, or compare two gateways'
+    streams (`derender.stream_interval` auto would pick k by each processor's load)."""
+    sections["derender"] = {"stream_interval": 1, **sections.get("derender", {})}
     render_port = render_port or stack.config.render_config.endpoint.port
     sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
     config = gateway_config(work, render_port, engines, stack.model_path, **sections)
@@ -350,11 +354,7 @@ def start_sim_gateway(
 ) -> tuple[SimGateway, list[SimServer]]:
     """A gateway over `n_engines` simulators; render is the stack's real sidecar unless
     `render_port` points elsewhere (a fault proxy in front of it, or nothing at all).
-    `kv_events`: the simulators publish KV cache events and the processor subscribes.
-    One token per engine event unless `derender` says otherwise: scripted faults strike at an
-    event, and tests count the tokens before them (`derender.stream_interval` auto would pick
-    k by the machine's load)."""
-    sections["derender"] = {"stream_interval": 1, **sections.get("derender", {})}
+    `kv_events`: the simulators publish KV cache events and the processor subscribes."""
     servers = [SimServer(EngineSim()).start() for _ in range(n_engines)]
     engines = [_sim_instance(s.sim, kv_events) for s in servers]
     config, gateway = start_gateway(stack, work, engines, render_port, **sections)

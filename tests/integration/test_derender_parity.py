@@ -104,9 +104,7 @@ def pair(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         for mode in ("in_process", "sidecar"):
             work = tmp_path_factory.mktemp(f"parity-{mode}")
-            # one token per engine event for both (auto would pick k by each processor's own load)
-            derender = {"mode": mode, "stream_interval": 1}
-            config, gateway = start_gateway(stack, work, [Endpoint(port=server.sim.port)], derender=derender)
+            config, gateway = start_gateway(stack, work, [Endpoint(port=server.sim.port)], derender={"mode": mode})
             started.append(gateway)
             urls[mode] = f"http://127.0.0.1:{config.listener.port}"
         yield Pair(server.sim, urls, AutoTokenizer.from_pretrained(stack.model_path))
