@@ -137,6 +137,53 @@ class _SemanticStream:
         return await self._inner.steps([(event, b"") for event, _ in events])
 
 
+class PerTokenSteps:
+    """A session fed one token per step when the gateway asked its engine for k > 1 tokens per
+    event (`derender.stream_interval`): native serving's parsers see one token per engine step,
+    and a parser fed several at once may split reasoning, content and tool calls otherwise
+    (vllm#41691), so the k tokens of an event are the k steps native would have made. The
+    messages saved are the engine's and ext_proc's; the parser's work stays per token."""
+
+    def __init__(self, inner: StreamSession) -> None:
+        self._inner = inner
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._inner.completion_tokens
+
+    async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
+        split: list[tuple[dict[str, Any], bytes]] = []
+        for event, payload in events:
+            pieces = per_token(event)
+            split += [(event, payload)] if pieces is None else [(piece, b"") for piece in pieces]
+        return await self._inner.steps(split)
+
+
+def per_token_steps(session: StreamSession, stream_interval: int) -> StreamSession:
+    """The session as a plan with `stream_interval` k needs it (k > 1: one token per step)."""
+    return PerTokenSteps(session) if stream_interval > 1 else session
+
+
+def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A generate event of several tokens as one event per token (None: it has at most one
+    per choice). The finish and stop reasons and the final-chunk fields go with the last."""
+    choices = event.get("choices") or []
+    if all(len(choice.get("token_ids") or ()) <= 1 for choice in choices):
+        return None
+    out = []
+    for choice in choices:
+        ids = choice.get("token_ids") or []
+        entries = (choice.get("logprobs") or {}).get("content")
+        for i in range(max(len(ids), 1)):  # a choice's event without ids stays one
+            piece = {**choice, "token_ids": ids[i : i + 1]}
+            if entries is not None:
+                piece["logprobs"] = {"content": entries[i : i + 1]}
+            if i < len(ids) - 1:
+                piece.update(finish_reason=None, stop_reason=None, weight_versions=None)
+            out.append({**event, "choices": [piece]})
+    return out
+
+
 class MeasuredDerender:
     """Whole answers timed for the request's record (stream chunks are timed where they are
     framed: `StreamDerender`, and the relay's steps)."""

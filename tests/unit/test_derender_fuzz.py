@@ -516,10 +516,32 @@ def _events(outputs: list[RequestOutput], include_usage: bool, prompt_tokens: in
     return events
 
 
-def _gateway(env: _Env, case: _Case, params: SamplingParams, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _coalesced(events: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The same output as an engine asked for `stream_interval: k` sends it: per choice its
+    first token alone, then k at a time, the finish with the last (the usage event last)."""
+    groups: dict[int, list[list[dict[str, Any]]]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            runs = groups.setdefault(choice["index"], [])
+            if len(runs) < 2 or sum(len(c["token_ids"]) for c in runs[-1]) >= k:
+                runs.append([])
+            runs[-1].append(choice)
+    merged = [
+        {"choices": [{**run[-1], "token_ids": [t for c in run for t in c["token_ids"]]}]}
+        for runs in groups.values()
+        for run in runs
+        if run
+    ]
+    return merged + [e for e in events if not e["choices"]]
+
+
+def _gateway(
+    env: _Env, case: _Case, params: SamplingParams, events: list[dict[str, Any]], per_token: bool = False
+) -> list[dict[str, Any]]:
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     from ext_proc.derender.in_process import stream_session
+    from ext_proc.derender.pipeline import per_token as split
 
     request_id = _request_id(case)
     # The render sidecar's answer, serialized as it goes over the wire.
@@ -528,11 +550,17 @@ def _gateway(env: _Env, case: _Case, params: SamplingParams, events: list[dict[s
     ).model_dump(mode="json")
     request = TokenizedRequest(OpenAIRequest(case.api, case.body), request_id, [PromptTokens.rendered(rendered)])
     session = stream_session(env.model, request)
+
+    def steps(group: list[dict[str, Any]]) -> bytes:
+        if per_token:  # `pipeline.PerTokenSteps`: one token per parser step
+            group = [piece for event in group for piece in split(event) or [event]]
+        return bytes(session.steps(group))
+
     raw, start = b"", 0
     for size in case.grouping:
-        raw += session.steps(events[start : start + size])
+        raw += steps(events[start : start + size])
         start += size
-    raw += session.steps(events[start:])
+    raw += steps(events[start:])
     return [orjson.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e]
 
 
@@ -688,9 +716,45 @@ def _fuzz(env: _Env, api: ApiKind, count: int, seed: int) -> None:
     print(f"{api.value}: {count} sequences, 0 differences; covered {covered}")
 
 
+def _fuzz_coalesced(env: _Env, api: ApiKind, count: int, seed: int) -> None:
+    """Native one token per step; the gateway gets the same output k tokens per event
+    (`derender.stream_interval`) and splits them back into steps: the same answer."""
+    rng = random.Random(seed)
+    failures: list[str] = []
+    tested = 0
+    for n in range(count):
+        case = _chat_case(rng, env) if api is ApiKind.CHAT else _completion_case(rng, env)
+        k = rng.choice([2, 4, 16])
+        request, params = _native_request(env, case)
+        outputs = _request_outputs(env, case, params)
+        if any(len(out.token_ids) > 1 for res in outputs for out in res.outputs):
+            continue  # native's own steps must be single tokens here (no engine or collector merging)
+        include_usage = bool((case.body.get("stream_options") or {}).get("include_usage"))
+        events = _coalesced(_events(outputs, include_usage, len(case.prompt_ids)), k)
+        case.grouping = _grouping(rng, len(events))
+        tested += 1
+        try:
+            native = _summary(api, _native(env, case, request, outputs))
+            gateway = _summary(api, _gateway(env, case, params, events, per_token=True))
+        except Exception as e:
+            failures.append(f"case {n} (k={k}): {case.describe()}\n  {e!r}")
+            continue
+        if native != gateway:
+            failures.append(
+                f"case {n} (k={k}): {case.describe()}\n  native:  {_json(native)}\n  gateway: {_json(gateway)}"
+            )
+    assert not failures, f"{len(failures)}/{tested} coalesced {api.value} sequences differ; first:\n{failures[0]}"
+    assert tested >= count // 5, f"only {tested} of {count} cases had single-token steps"
+
+
 def test_chat_stream_equals_native_serving(env: _Env) -> None:
     _fuzz(env, ApiKind.CHAT, CHAT_SEQUENCES, SEED)
 
 
 def test_completion_stream_equals_native_serving(env: _Env) -> None:
     _fuzz(env, ApiKind.COMPLETIONS, COMPLETION_SEQUENCES, SEED + 1)
+
+
+def test_k_tokens_per_engine_event_split_back_equal_native_one_per_step(env: _Env) -> None:
+    _fuzz_coalesced(env, ApiKind.CHAT, CHAT_SEQUENCES // 2, SEED + 2)
+    _fuzz_coalesced(env, ApiKind.COMPLETIONS, COMPLETION_SEQUENCES // 2, SEED + 3)

@@ -177,3 +177,28 @@ def test_sidecar_text_held_back_is_flushed_at_the_finish() -> None:
     stop = _StopCut(["END!"])
     assert stop.feed([("text", "hello E")], final=False) == [("text", "hell")]
     assert stop.feed([("text", "N")], final=True) == [("text", "o EN")]  # no stop string came
+
+
+def test_an_event_of_k_tokens_is_k_steps_with_the_finish_on_the_last() -> None:
+    from ext_proc.derender.pipeline import per_token
+
+    entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in (7, 8, 9)]
+    choice = {
+        "index": 1,
+        "token_ids": [7, 8, 9],
+        "finish_reason": "stop",
+        "stop_reason": 9,
+        "logprobs": {"content": entries},
+    }
+    pieces = per_token({"request_id": "r", "choices": [choice]})
+    assert pieces is not None
+    assert [p["choices"][0]["token_ids"] for p in pieces] == [[7], [8], [9]]
+    assert [p["choices"][0]["logprobs"]["content"][0]["token_id"] for p in pieces] == [7, 8, 9]
+    assert [(p["choices"][0]["finish_reason"], p["choices"][0]["stop_reason"]) for p in pieces] == [
+        (None, None),
+        (None, None),
+        ("stop", 9),
+    ]
+    assert all(p["request_id"] == "r" and p["choices"][0]["index"] == 1 for p in pieces)
+    assert per_token({"choices": [{"index": 0, "token_ids": [5]}]}) is None  # nothing to split
+    assert per_token({"choices": [], "usage": {"completion_tokens": 3}}) is None
