@@ -41,6 +41,18 @@ def _served(stack: RunningStack) -> list[float]:
     return [metric(scrape(url + "/metrics"), "tito_requests_total", status="200") for url in stack.admin_urls]
 
 
+def _worker_of(stack: RunningStack, served_before: list[float]) -> int:
+    """The worker that served the request just answered (its count goes up when the request's
+    record ends, which may be just after the client has the answer)."""
+    changed = _wait(
+        lambda: [n for n, (a, b) in enumerate(zip(served_before, _served(stack), strict=True)) if a != b],
+        "a worker counted the request",
+        5,
+    )
+    assert len(changed) == 1, changed
+    return int(changed[0])
+
+
 def _engine_counts(stack: RunningStack, name: str) -> dict[str, float]:
     """A counter of every engine's own /metrics (e.g. requests it finished, prefix-cache hits)."""
     return {i.address: metric(scrape(i.url + "/metrics"), name) for i in stack.config.pools[0].instances}
@@ -75,7 +87,7 @@ def test_every_worker_learns_from_the_events_what_the_engines_hold(subscribed: R
     before = [_blocks(s) for s in stack.states()]
     workers, engines = _served(stack), _engine_counts(stack, "vllm:request_success_total")
     _, prompt_tokens = _complete(stack, "First question?")
-    [worker_a] = [n for n, (a, b) in enumerate(zip(workers, _served(stack), strict=True)) if a != b]
+    worker_a = _worker_of(stack, workers)
     [engine] = _changed(engines, _engine_counts(stack, "vllm:request_success_total"))
     blocks = prompt_tokens // BLOCK  # the prompt's full blocks: what the engine announces
     assert blocks >= 5
@@ -94,8 +106,7 @@ def test_every_worker_learns_from_the_events_what_the_engines_hold(subscribed: R
     for n in range(12):  # Envoy picks the worker: until worker B takes one (1 in 2 each time)
         workers = _served(stack)
         request_id, _ = _complete(stack, f"Question {n}?")
-        [worker] = [w for w, (a, b) in enumerate(zip(workers, _served(stack), strict=True)) if a != b]
-        if worker != worker_a:
+        if _worker_of(stack, workers) != worker_a:
             break
     else:
         raise AssertionError("Envoy never sent a request to the second worker")
