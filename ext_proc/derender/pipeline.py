@@ -138,11 +138,14 @@ class _SemanticStream:
 
 
 class PerTokenSteps:
-    """A session fed one token per step when the gateway asked its engine for k > 1 tokens per
-    event (`derender.stream_interval`): native serving's parsers see one token per engine step,
-    and a parser fed several at once may split reasoning, content and tool calls otherwise
-    (vllm#41691), so the k tokens of an event are the k steps native would have made. The
-    messages saved are the engine's and ext_proc's; the parser's work stays per token."""
+    """A session fed one token per step, whatever an engine event carries: k tokens when the
+    gateway asked for them (`derender.stream_interval`), several when the engine's API server
+    merged steps its reader had not taken yet (load). Native serving's parsers see one token
+    per engine step unless native is loaded the same way, and a parser fed several at once may
+    split reasoning, content and tool calls otherwise (vllm#41691): so the answer is native's
+    own, one token per step, however the events came. (A speculating engine's native answer
+    parses its multi-token steps whole; the gateway's stays one token per step.) The messages
+    saved are the engine's and ext_proc's; the parser's work stays per token."""
 
     def __init__(self, inner: StreamSession) -> None:
         self._inner = inner
@@ -157,11 +160,6 @@ class PerTokenSteps:
             pieces = per_token(event)
             split += [(event, payload)] if pieces is None else [(piece, b"") for piece in pieces]
         return await self._inner.steps(split)
-
-
-def per_token_steps(session: StreamSession, stream_interval: int) -> StreamSession:
-    """The session as a plan with `stream_interval` k needs it (k > 1: one token per step)."""
-    return PerTokenSteps(session) if stream_interval > 1 else session
 
 
 def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 from ext_proc.config import RescheduleConfig
-from ext_proc.derender.pipeline import Derenderer, parse_event, per_token_steps, whole_events
+from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, parse_event, whole_events
 from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body, generate_response
@@ -65,7 +65,7 @@ class PromptStream:
         self.index = index
         self._leg = plan.legs[index]
         self._first = self._leg  # the original leg: prompt and budget a relay starts from
-        self._session = per_token_steps(ctx.derender.stream(plan.tokenized, index), plan.stream_interval)
+        self._session = PerTokenSteps(ctx.derender.stream(plan.tokenized, index))
         self._merged = merged  # one of a batch: the fan-out writes the one usage chunk
         self.completion_tokens = 0
         self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them

@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from ext_proc.byte_budget import StreamBytes
-from ext_proc.derender.pipeline import Derenderer, StreamDerender, per_token_steps
+from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, StreamDerender
 from ext_proc.errors import GatewayError, error_body, normalize_error_body
 from ext_proc.planning.plan import Plan, TokenOnly
 from ext_proc.protocol import OpenAIRequest, TokenizedRequest
@@ -84,7 +84,7 @@ def handler_for(
         return PassthroughResponse()
     tokenized = plan.tokenized
     if status == 200 and tokenized.stream and content_type.startswith("text/event-stream"):
-        return StreamResponse(StreamDerender(per_token_steps(derender.stream(tokenized), plan.stream_interval)))
+        return StreamResponse(StreamDerender(PerTokenSteps(derender.stream(tokenized))))
     return BufferedResponse(tokenized, derender, held, cap, replay)
 
 
