@@ -165,16 +165,21 @@ class PerTokenSteps:
 def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:
     """A generate event of several tokens as one event per token (None: it has at most one
     per choice). The finish and stop reasons and the final-chunk fields go with the last."""
-    choices = event.get("choices") or []
-    if all(len(choice.get("token_ids") or ()) <= 1 for choice in choices):
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
+        return None  # not a generate event: the session says so, as for any other
+    if not any(isinstance(ids := choice.get("token_ids"), list) and len(ids) > 1 for choice in choices):
         return None
     out = []
     for choice in choices:
-        ids = choice.get("token_ids") or []
-        entries = (choice.get("logprobs") or {}).get("content")
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list):
+            ids = []
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
         for i in range(max(len(ids), 1)):  # a choice's event without ids stays one
             piece = {**choice, "token_ids": ids[i : i + 1]}
-            if entries is not None:
+            if isinstance(entries, list):
                 piece["logprobs"] = {"content": entries[i : i + 1]}
             if i < len(ids) - 1:
                 piece.update(finish_reason=None, stop_reason=None, weight_versions=None)

@@ -48,10 +48,13 @@ def _served(gateway: SimGateway) -> list[float]:
 
 
 def _worker_pid(gateway: SimGateway, index: int) -> int:
+    """The pid listening on worker `index`'s port (ValueError: none yet; psutil may also not
+    name the owner of a socket a process is still setting up)."""
     port, _ = gateway.config.processor.worker_ports()[index]
-    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"}
-    assert pid is not None
-    return pid
+    pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"}
+    if len(pids) != 1 or None in pids:
+        raise ValueError(f"worker {index} on port {port}: listening pids {pids}")
+    return int(pids.pop())
 
 
 async def _post(client: httpx.AsyncClient, gateway: SimGateway, **extra: Any) -> httpx.Response:
@@ -138,7 +141,15 @@ async def test_a_dead_worker_is_restarted_while_the_other_serves(workers: SimGat
 def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(workers: SimGateway) -> None:
     supervisor = workers.gateway.processes["processor"].popen
     assert supervisor is not None
-    worker_pids = [_worker_pid(workers, i) for i in range(2)]
+    deadline = time.monotonic() + 30  # (a worker restarted by the test before may be starting)
+    while True:
+        try:
+            worker_pids = [_worker_pid(workers, i) for i in range(2)]
+            break
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(60) == 0
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in worker_pids)

@@ -202,3 +202,5 @@ def test_an_event_of_k_tokens_is_k_steps_with_the_finish_on_the_last() -> None:
     assert all(p["request_id"] == "r" and p["choices"][0]["index"] == 1 for p in pieces)
     assert per_token({"choices": [{"index": 0, "token_ids": [5]}]}) is None  # nothing to split
     assert per_token({"choices": [], "usage": {"completion_tokens": 3}}) is None
+    for garbage in ({"choices": 5}, {"choices": [3]}, {"choices": [{"token_ids": 3}]}):
+        assert per_token(garbage) is None  # the session says it is no generate event
