@@ -651,8 +651,8 @@ def _completion_response(
         if client.logprobs is not None:
             positions = model.logprobs.positions(output.get("logprobs"), [])
         if client.echo:
-            if positions is not None and prompt_positions is None:
-                prompt_positions = _prompt_positions(model, prompt, None)  # raises: the engine sent none
+            if positions is not None and prompt_positions is None:  # the engine sent none: 502
+                prompt_positions = _prompt_positions(model, prompt, generate.get("prompt_logprobs"))
             shown = prompt_text(model, client, prompt, prompt_index)
             text, positions = echoed(shown, prompt_positions, text, positions, client.max_tokens != 0)
         logprobs = None if positions is None else completion_logprobs(positions, client.logprobs, 0)
