@@ -29,7 +29,11 @@ from protos.stubs import ext_proc_pb
 class Mode(enum.Enum):
     PENDING = "pending"  # the request body is still arriving
     LOCAL = "local"  # the processor answered: nothing (more) goes upstream or to the client
-    FORWARD = "forward"  # passthrough: bodies go unchanged
+    FORWARD = "forward"  # passthrough: request bodies go unchanged
+    # Passthrough, the request sent on: the stream ends with OK and Envoy forwards the
+    # response without the processor (as GIE's endpoint picker skips response processing),
+    # so a passthrough answer costs no ext_proc message.
+    HANDED_OFF = "handed_off"
     PLANNED = "planned"  # sent upstream as planned; a response handler takes the response
     OWNED = "owned"  # the processor streams its own answer from engine streams it runs
 
@@ -55,7 +59,7 @@ class Exchange(EnvoyStream):
 
     @property
     def answered(self) -> bool:
-        return self.mode is Mode.LOCAL
+        return self.mode in (Mode.LOCAL, Mode.HANDED_OFF)
 
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
@@ -94,6 +98,8 @@ class Exchange(EnvoyStream):
         elif handler == "passthrough":
             self._plan, self.mode = self._s.planner.passthrough(), Mode.FORWARD
             yield msg.request_headers_reply(remove=self._unforwarded(), destination=",".join(self._plan.hosts))
+            if message.end_of_stream:
+                self._hand_off()
         elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
         elif message.end_of_stream:
@@ -105,6 +111,8 @@ class Exchange(EnvoyStream):
         if self.mode is Mode.FORWARD:
             for reply in msg.request_body_replies(message.body, message.end_of_stream):
                 yield reply
+            if message.end_of_stream:
+                self._hand_off()
             return
         if self.mode is not Mode.PENDING:  # after an answer, or a duplicate end_of_stream (envoy#46237)
             return
@@ -121,6 +129,12 @@ class Exchange(EnvoyStream):
                 yield reply
         if self.mode in (Mode.FORWARD, Mode.PLANNED):
             yield msg.request_trailers_reply()
+        if self.mode is Mode.FORWARD:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        self.mode = Mode.HANDED_OFF
+        self.record.handed_off()
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
@@ -169,7 +183,7 @@ class Exchange(EnvoyStream):
         the client has headers, else as the error itself."""
         if self._owned is not None and self._owned.streaming:
             self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
-        if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
+        if self.mode in (Mode.LOCAL, Mode.HANDED_OFF, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
         if isinstance(self._handler, StreamResponse):
             self._handler.done = True

@@ -165,6 +165,11 @@ class RequestRecord:
             self.code = str(code)
         self.complete = self.complete or end
 
+    def handed_off(self) -> None:
+        """Envoy forwards the rest untouched (passthrough): the engine's status is Envoy's to
+        count (its route stats); ours is 0."""
+        self.complete = True
+
     def chunk(self, end: bool) -> None:
         """Response body bytes went to the client (the first: its time to first token)."""
         if self._first_chunk is None:

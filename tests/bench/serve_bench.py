@@ -8,7 +8,7 @@ concurrency: the median output throughput of each side and their ratio against t
 0.95, and the median TTFT of each side.
 
 Run: `python -m tests.bench.serve_bench [--concurrency 8 32] [--num-prompts 32] [--rounds 2]
-[--input-len 64] [--output-len 128] [--api completions|chat] [--no-parsers]`.
+[--input-len 64] [--output-len 128] [--api completions|chat] [--no-parsers] [--render in_process]`.
 """
 
 from __future__ import annotations
@@ -109,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api", choices=["completions", "chat"], default="completions")
     parser.add_argument("--parsers", action=argparse.BooleanOptionalAction, default=True, help="qwen3 + hermes")
     parser.add_argument("--derender", choices=["in_process", "sidecar"], default="in_process")
+    parser.add_argument("--render", choices=["sidecar", "in_process"], default="sidecar")
     parser.add_argument("--cache-dir", default="~/.cache/tito", help="where the tiny model is (generated if missing)")
     parser.add_argument("--work-dir", help="config and logs of the stack (default: a new temporary directory)")
     args = parser.parse_args(argv)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tito-serve-bench-"))
     model_path = ensure_tiny_model(Path(args.cache_dir).expanduser())
-    config = stack_config(work_dir, model_path, args.parsers, args.derender)
+    config = stack_config(work_dir, model_path, args.parsers, args.derender, render=args.render)
     stack = LocalStack(config, work_dir)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     print(f"starting the stack (logs in {work_dir / 'logs'}) ...", file=sys.stderr, flush=True)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parsers = "qwen3 + hermes parsers" if args.parsers else "no parsers"
     print(
         f"vLLM bench serve, random {args.input_len} in / {args.output_len} out, {args.num_prompts} prompts, "
-        f"{args.api}, {parsers}, derender {args.derender}, {args.rounds} rounds (ABBA), medians:"
+        f"{args.api}, {parsers}, render {args.render}, derender {args.derender}, {args.rounds} rounds (ABBA), medians:"
     )
     for runs in results:
         print("  " + runs.report())

@@ -136,6 +136,7 @@ def one_engine(stack: RunningStack, tmp_path: Path) -> Iterator[SimGateway]:
         1,
         scheduler={"breaker": {"failure_threshold": 1, "base_cooldown_s": 3.0}},
         processor={"drain_timeout_s": 5.0},
+        derender={"stream_interval": 4},  # drain with several tokens per engine event
     )
     yield gateway
     gateway.gateway.stop()
@@ -214,11 +215,15 @@ def test_sigterm_lets_open_streams_finish_and_refuses_new_ones(one_engine: SimGa
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
         assert orjson.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert processor.wait(10) == 0
-    assert len(sim.generate_requests()) == 4  # the refused one reached no engine
+    generated = sim.generate_requests()
+    assert len(generated) == 4  # the refused one reached no engine
+    assert {r.json()["sampling_params"]["stream_interval"] for r in generated} == {4}
 
 
 def test_streams_past_the_drain_timeout_end_with_an_error_event(stack: RunningStack, tmp_path: Path) -> None:
-    gateway, servers = start_sim_gateway(stack, tmp_path, 1, processor={"drain_timeout_s": 0.5})
+    gateway, servers = start_sim_gateway(
+        stack, tmp_path, 1, processor={"drain_timeout_s": 0.5}, derender={"stream_interval": 4}
+    )
     try:
         gateway.sims[0].token_delay_s = 0.2  # 100 tokens: 20 s, far past the drain timeout
         results: list[bytes] = []

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from ext_proc.byte_budget import ByteBudget
-from ext_proc.config import TitoConfig
+from ext_proc.config import PublicRoute, TitoConfig
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.legs.http_client import CountingTransport
 from ext_proc.legs.trigger import Triggers
@@ -191,11 +191,25 @@ async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers
     removed = set(reply.request_headers.response.header_mutation.remove_headers)
     assert set(steering) <= removed and "traceparent" not in removed
     assert services.scheduler.ledger.active_leases == 0
-    replies = await _run(exchange, _response_headers(500, "application/json"), _response_body(b'{"x":1}', True))
-    assert "content-length" not in replies[0].response_headers.response.header_mutation.remove_headers
-    assert _client_body(replies) == b'{"x":1}'
+    assert exchange.answered  # the stream ends: Envoy forwards the response without the processor
     state = await _closed(services, exchange)
     assert all(i["breaker"] == "closed" and i["consecutive_failures"] == 0 for i in state["instances"].values())
+
+
+async def test_a_passthrough_post_is_handed_off_once_its_body_is_forwarded(engines: Engines) -> None:
+    services = _services(engines)
+    exchange = Exchange(services)
+    route = {"method": "POST", "path": "/v1/responses", "handler": "passthrough"}
+    services.config.listener.routes.append(PublicRoute.model_validate(route))
+    [headers_reply] = await _run(exchange, _headers("/v1/responses", "POST"))
+    assert headers_reply.HasField("request_headers") and not exchange.answered
+    first = await _run(exchange, _body(b'{"model": ', end=False))
+    assert first[0].request_body.response.body_mutation.streamed_response.body == b'{"model": '
+    assert not exchange.answered
+    last = await _run(exchange, _body(b'"tiny"}'))
+    assert last[0].request_body.response.body_mutation.streamed_response.end_of_stream
+    assert exchange.answered
+    await _closed(services, exchange)
 
 
 def _generate(host: str, body: dict[str, Any]) -> httpx.Response:
