@@ -41,17 +41,17 @@ class PublicRoute(_Strict):
     """One method + path the listener serves; every other request gets a 404 from Envoy
     and reaches nothing. `handler` says who answers: chat/completions are rendered and
     routed token-only, passthrough goes to an engine untouched (never breaker input),
-    health is answered by the processor."""
+    health and models (the model catalog's /v1/models) are answered by the processor."""
 
     method: Literal["GET", "POST"]
     path: str
-    handler: Literal["chat", "completions", "passthrough", "health"]
+    handler: Literal["chat", "completions", "passthrough", "health", "models"]
 
 
 DEFAULT_ROUTES = [
     PublicRoute(method="POST", path="/v1/chat/completions", handler="chat"),
     PublicRoute(method="POST", path="/v1/completions", handler="completions"),
-    PublicRoute(method="GET", path="/v1/models", handler="passthrough"),
+    PublicRoute(method="GET", path="/v1/models", handler="models"),
     PublicRoute(method="GET", path="/health", handler="health"),
 ]
 
@@ -174,11 +174,23 @@ class DerenderConfig(_Strict):
     stream_interval: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
 
 
+class AdapterConfig(_Strict):
+    """A LoRA adapter of the base model: clients name it as `model`; `path` is where the
+    engines read it (`tito up` passes it as --lora-modules; `lora.on_missing: load` loads it)."""
+
+    name: str
+    path: str | None = None  # None: `tito up` generates a tiny adapter of its tiny model
+
+
 class ModelConfig(_Strict):
-    """Read once and shared by the render sidecar and every engine, so both tokenize alike."""
+    """Read once and shared by the render sidecar and every engine, so both tokenize alike.
+    The model catalog: this base model under `served_name` and its `aliases`, and its LoRA
+    adapters (these, and what each engine's /v1/models lists with this base as `parent`)."""
 
     path: str | None = None  # None: `tito up` generates a tiny model into local.cache_dir
     served_name: str = "tiny"
+    aliases: list[str] = Field(default_factory=list)  # more names for the base (the engines' too)
+    adapters: list[AdapterConfig] = Field(default_factory=list)
     max_model_len: int = 2048
     chat_template: str | None = None
     reasoning_parser: str | None = None
@@ -188,6 +200,21 @@ class ModelConfig(_Strict):
     @property
     def has_parser(self) -> bool:
         return bool(self.reasoning_parser or self.tool_call_parser)
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters across a pool's instances (RFC 多模型路由): prefer an instance that runs
+    the adapter, keep each within its engine's `max_loras`, spread a hot adapter."""
+
+    # An adapter no instance lists: `route` sends it anyway (the engine may resolve it
+    # itself, else answers 404), `load` has the chosen instance load it first (its path from
+    # `model.adapters`; engines need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), `reject` answers 404.
+    on_missing: Literal["route", "load", "reject"] = "route"
+    max_loras: int = Field(default=1, ge=1)  # adapters an engine runs at once (its --max-loras)
+    max_lora_rank: int = Field(default=16, ge=1)  # `tito up`'s engines (--max-lora-rank)
+    # An adapter's requests in flight on an instance beyond which the next goes to another
+    # instance with room (a hot adapter spreads instead of queueing on one engine).
+    spread_requests: int = Field(default=8, ge=1)
 
 
 class KvEventsEndpoint(_Strict):
@@ -373,6 +400,7 @@ class TitoConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     reschedule: RescheduleConfig = RescheduleConfig()
+    lora: LoraConfig = LoraConfig()
     obfuscation: ObfuscationConfig = ObfuscationConfig()
     capabilities: CapabilitiesConfig = CapabilitiesConfig()
     logging: LoggingConfig = LoggingConfig()

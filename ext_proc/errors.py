@@ -22,12 +22,16 @@ def error_type(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def error_payload(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+def error_payload(
+    status: int, message: str, param: str | None = None, code: str | int | None = None, kind: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind or error_type(status), "param": param, "code": code}}
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> bytes:
-    return orjson.dumps(error_payload(status, message, param, code))
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None, kind: str | None = None
+) -> bytes:
+    return orjson.dumps(error_payload(status, message, param, code, kind))
 
 
 class GatewayError(Exception):
@@ -41,18 +45,22 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         body: bytes | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.kind = kind  # the error's `type` when it is not the status's (native vLLM's own)
         self._body = body
 
     @property
     def body(self) -> bytes:
         """The upstream's own error body when it was passed through unchanged, else ours."""
-        return self._body if self._body is not None else error_body(self.status, self.message, self.param, self.code)
+        if self._body is not None:
+            return self._body
+        return error_body(self.status, self.message, self.param, self.code, self.kind)
 
 
 def error_code(body: bytes) -> str | None:

@@ -49,11 +49,21 @@ NOT_FOR_ENGINES = ("metadata", "user", *ENGINE_STEERING_FIELDS)
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter a request's `model` names (the model catalog's resolution): engines
+    get its name; render, derender and the tokenizer stay the base model's."""
+
+    name: str
+    path: str | None = None  # where the engines read it (block hashes include it)
+
+
+@dataclass(frozen=True)
 class OpenAIRequest:
     """The client's request, parsed once (the raw bytes are not kept)."""
 
     api: ApiKind
     body: dict[str, Any]
+    adapter: Adapter | None = None
 
     @property
     def model(self) -> str | None:
@@ -86,8 +96,13 @@ class OpenAIRequest:
         metadata. `messages` stay whole: tool parsers number call ids by the history."""
         return {k: v for k, v in self.body.items() if k not in NOT_FOR_ENGINES}
 
+    def response_model(self, served_name: str) -> str:
+        """The answer's `model` as native vLLM names it: the adapter's name, else the base's
+        first served name (an alias is answered under that name too)."""
+        return self.adapter.name if self.adapter is not None else served_name
+
     def kept(self) -> OpenAIRequest:
-        return OpenAIRequest(self.api, self.engine_body())
+        return OpenAIRequest(self.api, self.engine_body(), self.adapter)
 
 
 @dataclass

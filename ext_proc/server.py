@@ -18,12 +18,14 @@ from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.engine_metrics import engine_metrics_pollers
 from ext_proc.legs.http_client import CountingTransport, http_client
 from ext_proc.legs.kv_events import KvEventSubscriber
+from ext_proc.legs.lora import AdapterLoader
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import build_codec
@@ -44,6 +46,7 @@ from scheduler import (
     TokenLedger,
     make_policy,
 )
+from scheduler.lora import AdapterPlacement
 
 log = logging.getLogger("tito.ext_proc")
 
@@ -97,6 +100,7 @@ def build_scheduler(config: TitoConfig, gated: bool = False) -> Scheduler:
         load_source=s.load_source,
         engine_metrics_stale_s=s.engine_metrics_stale_s,
         gated=gated,
+        lora=AdapterPlacement(config.lora.max_loras, config.lora.spread_requests),
     )
 
 
@@ -154,10 +158,15 @@ def build_services(
         codec,
     )
     scheduler = build_scheduler(config, gated=config.capabilities.enable)
-    planner = Planner(config, tokenization, scheduler)
+    catalog = ModelCatalog(config.model)  # what engines list feeds resolution and /v1/models
+    planner = Planner(config, tokenization, scheduler, catalog=catalog)
+    if config.lora.on_missing == "load":
+        planner.load_adapter = AdapterLoader(http, scheduler, config.capabilities.timeout_s).load
     loop_lag = LoopLag()
     planner.loop_lag_ms = loop_lag.recent_ms
-    capabilities = Capabilities(config, scheduler, tokenization, http) if config.capabilities.enable else None
+    capabilities = (
+        Capabilities(config, scheduler, tokenization, http, catalog=catalog) if config.capabilities.enable else None
+    )
     collector = config.tracing.collector
     tracer = tracer_from_environment(collector.url if collector is not None else None)
     observability = observability or Observability(tracer=tracer)

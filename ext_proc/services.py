@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from ext_proc.derender.pipeline import Derenderer
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.prefill import prefilled
 from ext_proc.legs.responses import Outs, error_answer, replay_native
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
@@ -48,6 +50,17 @@ class Services:
     @property
     def scheduler(self) -> Scheduler:
         return self.planner.scheduler
+
+    async def routable(self, plan: TokenOnly, spawn: Callable[[Coroutine[Any, Any, Any]], Any]) -> Plan:
+        """A token-only plan ready for Envoy to route: a Handoff's prefill leg has run (its
+        decode leg then carries the KV params; no prefill anywhere: served alone, or the
+        error), a Trigger's engine callback is expected."""
+        routed: Plan = plan
+        if plan.prefill is not None:
+            routed = await prefilled(plan, self.planner, self.http, self.config.listener.stream_idle_timeout_s)
+        if isinstance(routed, TokenOnly) and routed.trigger_attempt is not None:
+            self.triggers.expect(routed, spawn)
+        return routed
 
     def replay_native(self, plan: Plan | None, served_by: str | None, end: bool) -> Outs:
         """The engine has no token-only generate and sent nothing yet: the same request once

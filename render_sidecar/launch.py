@@ -10,7 +10,7 @@ import importlib.metadata
 import json
 import sys
 
-from ext_proc.config import KvEventsEndpoint, ModelConfig, RenderConfig
+from ext_proc.config import KvEventsEndpoint, LoraConfig, ModelConfig, RenderConfig
 
 RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -26,7 +26,7 @@ def has_vllm_cli() -> bool:
 
 
 def model_flags(model: ModelConfig, model_path: str) -> list[str]:
-    flags = ["--model", model_path, "--served-model-name", model.served_name]
+    flags = ["--model", model_path, "--served-model-name", model.served_name, *model.aliases]
     flags += ["--max-model-len", str(model.max_model_len)]
     if model.chat_template:
         flags += ["--chat-template", model.chat_template]
@@ -60,6 +60,7 @@ def engine_command(
     kv_events: KvEventsEndpoint | None = None,
     block_size: int = 128,
     scale_out: bool = True,
+    lora: LoraConfig | None = None,
 ) -> list[str]:
     """An engine serving token-only generate (unless `scale_out` is off) and, as the native
     reference, OpenAI routes. A
@@ -69,6 +70,11 @@ def engine_command(
     if scale_out:  # without it, vLLM 0.32 answers token-only generate with 403 (served natively)
         args.append("--enable-scale-out")
     args += ["--block-size", str(block_size)]  # the block size the gateway's prefix index hashes in
+    lora = lora or LoraConfig()
+    if model.adapters or lora.on_missing == "load":  # LoRA: the catalog's adapters loaded at start
+        args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]
+    if model.adapters:  # (their paths filled in by `tito up` when it generated them)
+        args += ["--lora-modules", *(f"{a.name}={a.path}" for a in model.adapters)]
     if role != "union" and kv_connector != "none":
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         transfer: dict[str, object] = {"kv_role": kv_role}

@@ -8,10 +8,12 @@ from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.kv_block_hash import BlockHasher
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from scheduler.ledger import Lease, TokenLedger
+from scheduler.lora import AdapterPlacement
 from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, LoadBalance, Policy, RoundRobin, make_policy
 from scheduler.prefix_index import PrefixIndex, block_hashes
 
 __all__ = [
+    "AdapterPlacement",
     "AffinityWeights",
     "AllBlocksCleared",
     "BlockHasher",

@@ -13,6 +13,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class TokenOnlyRoute(enum.Enum):
@@ -49,6 +50,8 @@ class EngineCapabilities:
     root: str | None = None
     max_model_len: int | None = None
     lora_adapters: tuple[str, ...] = ()
+    # its /v1/models entries as listed (the gateway's own /v1/models merges them)
+    model_cards: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, repr=False)
     block_size: int | None = None  # vllm:cache_config_info (None: /metrics unreadable)
     hash_algo: str | None = None
     kv_event_sources: tuple[str, ...] = ()  # publisher endpoints from /kv_event_sources

@@ -4,6 +4,9 @@ Two steps per engine leg: `pick` chooses an instance of a pool (by role) and cha
 nothing; `commit` takes the leg's lease in the ledger, claims a half-open probe and records
 the prefix. A request with several legs (prefill then decode) picks every leg first, so a
 leg that cannot be placed leaves nothing behind.
+
+A request for a LoRA adapter goes to the instances that list it (`lora.py` ranks them: where
+it runs, then where a slot is free), and its prefix blocks are its adapter's own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.kv_block_hash import DEFAULT_SEED, BlockHasher
 from scheduler.kv_events import BlockRemoved, BlockStored, EventFeeds, KvEvent
 from scheduler.ledger import TokenLedger
+from scheduler.lora import AdapterPlacement
 from scheduler.policies import Candidate, Policy
 from scheduler.prefix_index import PrefixIndex
 
@@ -33,6 +37,8 @@ class ScheduleRequest:
     other_prompts_demand: int = 0  # the rest of a multi-prompt batch (its prompts + n × max_tokens each)
     # False for a decode leg: the prompt's tokens are charged to the prefill instance
     charge_prompt: bool = True
+    adapter: str | None = None  # the LoRA adapter the request names as `model` (None: the base model)
+    adapter_path: str | None = None  # its path as the engines see it: part of their KV block hashes
 
     @property
     def demand(self) -> int:
@@ -52,6 +58,9 @@ class Pick:
     matched_tokens: int = 0
     hashes: tuple[int, ...] = field(default=(), repr=False)
     at: float = 0.0  # when it was picked (the clock of `pick`)
+    # the chosen instance does not list the request's adapter: load it there first (or let the
+    # engine resolve it); its fallbacks do not list it either
+    loads_adapter: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -95,6 +104,7 @@ class Scheduler:
         load_source: str = "ledger",
         engine_metrics_stale_s: float = 5.0,
         gated: bool = False,
+        lora: AdapterPlacement | None = None,
     ) -> None:
         self.pools = {p.role: p for p in pools if p.instances}
         if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
@@ -112,7 +122,7 @@ class Scheduler:
             or PrefixIndex(
                 pool.block_size,
                 prefix_index_max_blocks,
-                BlockHasher(pool.block_size, hash_seed).hashes if prefix_source == "kv_events" else None,
+                BlockHasher(pool.block_size, hash_seed) if prefix_source == "kv_events" else None,
             )
             for role, pool in self.pools.items()
             if role is not Role.DECODE
@@ -137,6 +147,7 @@ class Scheduler:
         self.held_out: dict[str, str] = {i.address: "no capability record yet" for i in self.instances if gated}
         self.max_model_lens: dict[str, int] = {}  # what an engine's record says it holds (adopted)
         self.events_ignored: set[str] = set()  # KV events hashed unlike the index: routing records instead
+        self.lora = lora or AdapterPlacement()  # which instances list and run which LoRA adapters
 
     @property
     def pool(self) -> Pool:
@@ -186,7 +197,7 @@ class Scheduler:
         index = self.prefix_indexes.get(role)
         if index is None or index.block_size == block_size:
             return
-        hasher = BlockHasher(block_size, self._hash_seed).hashes if self.prefix_source == "kv_events" else None
+        hasher = BlockHasher(block_size, self._hash_seed) if self.prefix_source == "kv_events" else None
         self.prefix_indexes[role] = PrefixIndex(block_size, self._prefix_index_max_blocks, hasher)
 
     def ignore_kv_events(self, address: str, ignore: bool) -> None:
@@ -237,18 +248,43 @@ class Scheduler:
         roomy = [(n, i) for n, i in healthy if self.ledger.instance_room(i.address, demand)]
         if not roomy:
             return Rejection(429, f"every engine instance is at its token budget ({demand} tokens requested)")
+        roomy, loads_adapter = self._listing(request, roomy)
         index = self.prefix_indexes.get(role) if self.policy.uses_prefix else None
-        hashes = index.hashes(request.prompt_token_ids) if index is not None else []
+        hashes = self._hashes(index, request) if index is not None else []
         matched = index.match(hashes) if index is not None and hashes else {}
         block = index.block_size if index is not None else 0
         candidates = []
         for n, i in roomy:
             tokens, requests = self._load(i.address, now)
             candidates.append(Candidate(i, n, tokens, requests, matched.get(i.address, 0) * block))
-        ranked = self.policy.rank(candidates, len(request.prompt_token_ids))
+        ranked = self._by_adapter_tier(request, self.policy.rank(candidates, len(request.prompt_token_ids)))
         chosen = ranked[0]
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
-        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now)
+        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now, loads_adapter)
+
+    @staticmethod
+    def _hashes(index: PrefixIndex, request: ScheduleRequest) -> list[int]:
+        """The prompt's blocks under its adapter: KV computed for another adapter never matches."""
+        return index.hashes(request.prompt_token_ids, request.adapter, request.adapter_path)
+
+    def _listing(
+        self, request: ScheduleRequest, roomy: list[tuple[int, Instance]]
+    ) -> tuple[list[tuple[int, Instance]], bool]:
+        """For an adapter: only the instances that list it (another would answer 404), or all
+        when none does (True: the chosen one must load it). One registration state either way,
+        so the fallbacks are in the chosen one's."""
+        if request.adapter is None:
+            return roomy, False
+        listing = [(n, i) for n, i in roomy if request.adapter in self.lora.registered(i.address)]
+        return (listing, False) if listing else (roomy, True)
+
+    def _by_adapter_tier(self, request: ScheduleRequest, ranked: list[Candidate]) -> list[Candidate]:
+        """Where the adapter runs (or has a free slot) first; stable, so the policy's order
+        holds within a tier."""
+        adapter = request.adapter
+        if adapter is None:
+            return ranked
+        return sorted(ranked, key=lambda c: self.lora.tier(c.instance.address, adapter))
 
     @staticmethod
     def _context(request: ScheduleRequest) -> int:
@@ -266,6 +302,8 @@ class Scheduler:
         self.ledger.acquire(pick.request.request_id, address, pick.request.demand)
         self.breakers[address].on_dispatch()
         self.engine_loads.committed(address, pick.request.demand)
+        if pick.request.adapter is not None:
+            self.lora.started(pick.request.request_id, address, pick.request.adapter)
         index = self.prefix_indexes.get(pick.role)
         if pick.hashes and index is not None:
             if self._event_fed(address, pick.at):  # the engine's events will say what it holds
@@ -295,6 +333,7 @@ class Scheduler:
         instance that answered. Neither: no engine verdict (e.g. the client left first).
         """
         lease = self.ledger.release(request_id)
+        self.lora.finished(request_id)
         verdict = False
         for address in failed:
             if address in self.breakers:
@@ -366,6 +405,7 @@ class Scheduler:
                     "routes": i.address not in self.held_out,
                     **({"held_out": self.held_out[i.address]} if i.address in self.held_out else {}),
                     "prefix_blocks": self._held(i),
+                    "adapters": self.lora.snapshot(i.address),
                     **self._load_snapshot(i.address, now),
                 }
                 for i in self.instances

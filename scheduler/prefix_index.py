@@ -6,6 +6,9 @@ i-1's hash as seed), or the engines' own (`kv_block_hash.py`) when their KV cach
 feed the index. Entries come from routing-time records and from those events (stored,
 removed, all cleared); memory is bounded by `max_blocks` (LRU eviction). Only full blocks
 count, like vLLM's own prefix cache.
+
+Blocks are per LoRA adapter: an engine's KV computed under one adapter is useless for
+another, so the same tokens under two adapters (or an adapter and the base model) hash apart.
 """
 
 from __future__ import annotations
@@ -13,14 +16,21 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import xxhash
+
+from scheduler.kv_block_hash import BlockHasher, Lora
 
 ROOT_SEED = 1337
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def adapter_seed(adapter: str | None) -> int:
+    """The chain's first seed: the base model's is ROOT_SEED, each adapter's its own."""
+    return ROOT_SEED if adapter is None else xxhash.xxh3_64_intdigest(adapter.encode(), seed=ROOT_SEED)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: int = ROOT_SEED) -> list[int]:
     """Chained hashes of the full blocks of little-endian u32 token ids."""
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
@@ -31,7 +41,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     view = memoryview(words).cast("B")
     step = block_size * 4
     hashes = []
-    seed = ROOT_SEED
     for start in range(0, n_blocks * step, step):
         seed = xxhash.xxh3_64_intdigest(view[start : start + step], seed=seed)
         hashes.append(seed)
@@ -43,7 +52,7 @@ class PrefixIndex:
         self,
         block_size: int = 16,
         max_blocks: int = 1 << 20,
-        hasher: Callable[[Sequence[int]], list[int]] | None = None,
+        hasher: BlockHasher | None = None,
     ) -> None:
         if block_size < 1 or max_blocks < 1:
             raise ValueError("block_size and max_blocks must be positive")
@@ -60,10 +69,20 @@ class PrefixIndex:
         """How many blocks the index says this instance holds."""
         return self._held[address]
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        if self._hasher is not None:
-            return self._hasher(token_ids)
-        return block_hashes(token_ids, self.block_size)
+    def hashes(
+        self, token_ids: Sequence[int], adapter: str | None = None, adapter_path: str | None = None
+    ) -> list[int]:
+        """The prompt's block hashes under the adapter (None: the base model).
+
+        With the engines' hasher (KV events) the adapter's path is part of the engine's hash:
+        without it the engine's ids cannot be predicted, so no blocks (no false match)."""
+        if self._hasher is None:
+            return block_hashes(token_ids, self.block_size, adapter_seed(adapter))
+        if adapter is None:
+            return self._hasher.hashes(token_ids)
+        if adapter_path is None:
+            return []
+        return self._hasher.hashes(token_ids, lora=Lora(adapter, adapter_path))
 
     def remove(self, hashes: Sequence[int], address: str) -> None:
         """The instance no longer holds these blocks (evicted)."""

@@ -161,6 +161,10 @@ class EngineSim:
     hash_algo: str = "sha256_cbor"  # what `tito up` starts engines with (the gateway's KV-event hash)
     canary_ids: list[int] | None = None
     probes: list[str] = field(default_factory=list)  # paths the gateway's capability probes asked for
+    # LoRA adapters it serves (name -> path; --lora-modules, and /v1/load_lora_adapter adds):
+    # an adapter's output is scripted apart from the base's, so a test sees it was applied.
+    adapters: dict[str, str] = field(default_factory=dict)
+    loaded: list[str] = field(default_factory=list)  # adapters /v1/load_lora_adapter was asked for
 
     @property
     def address(self) -> str:
@@ -231,8 +235,10 @@ class EngineSim:
         if not self.scale_out:  # what vLLM 0.32 answers without --enable-scale-out
             message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
             return _error(403, message, "PermissionDeniedError")
-        if body.get("model") not in (None, self.model):
-            return _error(404, f"The model `{body['model']}` does not exist.", "NotFoundError")
+        model = body.get("model") or self.model
+        if model != self.model and model not in self.adapters:
+            message = f"The model `{model}` does not exist. Valid aliases: {self.model}."
+            return _error(404, message, "NotFoundError", param="model")
         if not body.get("token_ids"):
             return _error(400, "token_ids: List should have at least 1 item", "Bad Request")
         fault = self._take_fault()
@@ -251,7 +257,10 @@ class EngineSim:
             self.kv_events.stored(prompt)
         if self.obfuscation is not None:
             prompt = self.obfuscation.deobfuscate(prompt)
-        outputs = [(self.tokens or self.script(prompt + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)]
+        lora = [FIRST_ID + len(model)] if model != self.model else []  # an adapter's own output
+        outputs = [
+            (self.tokens or self.script(prompt + lora + [c] * bool(c), max_tokens))[:max_tokens] for c in range(n)
+        ]
         tokens = outputs[0]
         finish = self.finish_reason if self.tokens and len(self.tokens) <= max_tokens else "length"
         stop_reason = self.stop_reason if finish == "stop" else None
@@ -283,7 +292,7 @@ class EngineSim:
         return JSONResponse(
             {
                 "request_id": request_id,
-                "model": self.model,
+                "model": model,
                 "created": int(time.time()),
                 "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
                 "prompt_logprobs": self._physical_prompt(_prompt_logprobs(prompt, params.get("prompt_logprobs"))),
@@ -460,9 +469,31 @@ class EngineSim:
         if fault is not None and fault.kind == "status":
             return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         model = {"id": self.model, "object": "model", "owned_by": "sim", "root": "/sim/" + self.model}
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "sim",
+                "root": path,
+                "parent": self.model,
+                "max_model_len": None,
+            }
+            for name, path in self.adapters.items()
+        ]
         return JSONResponse(
-            {"object": "list", "data": [{**model, "parent": None, "max_model_len": self.max_model_len}]}
+            {"object": "list", "data": [{**model, "parent": None, "max_model_len": self.max_model_len}, *adapters]}
         )
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's admin route (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): 400 for a name it holds."""
+        body = json.loads(await self._record(request))
+        name = body["lora_name"]
+        self.loaded.append(name)
+        if name in self.adapters:
+            message = f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True."
+            return _error(400, message, "InvalidUserInput")
+        self.adapters[name] = body["lora_path"]
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def version_info(self, request: Request) -> Response:
         await self._record(request)
@@ -548,6 +579,7 @@ class EngineSim:
                 Route("/v1/chat/completions", self.native, methods=["POST"]),
                 Route("/v1/completions", self.native, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/version", self.version_info, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -624,9 +656,9 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
     )
 
 

@@ -189,7 +189,7 @@ class _Session:
             "id": self._request.request_id,
             "object": self._object,
             "created": self._created,
-            "model": self._model.served_name,
+            "model": self._request.request.response_model(self._model.served_name),
             "choices": choices,
             **extra,
         }
@@ -623,7 +623,7 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
     response = ChatCompletionResponse(
         id=request.request_id,
         created=int(time.time()),
-        model=model.served_name,
+        model=request.request.response_model(model.served_name),
         choices=choices,
         usage=usage,
         prompt_token_ids=prompt.token_ids if client.return_token_ids else None,
@@ -675,7 +675,7 @@ def _completion_response(
             "id": request.request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": model.served_name,
+            "model": request.request.response_model(model.served_name),
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": None,

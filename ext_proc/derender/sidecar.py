@@ -123,6 +123,7 @@ class SidecarDerender:
             )
         result = await self._client.call(request.api.derender_path, body + _static_fields(self._client, request) + b"}")
         result["id"] = request.request_id
+        result["model"] = request.request.response_model(self._client.served_name)  # rendered as the base
         if dropped and isinstance(result.get("usage"), dict) and isinstance(generate.get("usage"), dict):
             # the engine's count, with the stop token derender was not shown
             for key in ("completion_tokens", "total_tokens"):
@@ -334,6 +335,7 @@ class SidecarStream:
             if self._completion_top is not None:
                 self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
+        chunk["model"] = self._request.request.response_model(self._client.served_name)
         for choice in chunk.get("choices") or ():
             choice["index"] = int(choice.get("index", 0)) + self._index_shift
         if not choices:  # the usage chunk: native serializes it without nulls

@@ -18,7 +18,6 @@ from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.legs.prefill import prefilled
 from ext_proc.legs.responses import Chunk, Refuse, ResponseHandler, StreamResponse, handler_for
 from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
 from ext_proc.protocol import ApiKind
@@ -28,12 +27,8 @@ from protos.stubs import ext_proc_pb
 
 class Mode(enum.Enum):
     PENDING = "pending"  # the request body is still arriving
-    LOCAL = "local"  # the processor answered: nothing (more) goes upstream or to the client
+    LOCAL = "local"  # answered here, or a whole passthrough request sent on: no more messages
     FORWARD = "forward"  # passthrough: request bodies go unchanged
-    # Passthrough, the request sent on: the stream ends with OK and Envoy forwards the
-    # response without the processor (as GIE's endpoint picker skips response processing),
-    # so a passthrough answer costs no ext_proc message.
-    HANDED_OFF = "handed_off"
     PLANNED = "planned"  # sent upstream as planned; a response handler takes the response
     OWNED = "owned"  # the processor streams its own answer from engine streams it runs
 
@@ -59,7 +54,7 @@ class Exchange(EnvoyStream):
 
     @property
     def answered(self) -> bool:
-        return self.mode in (Mode.LOCAL, Mode.HANDED_OFF)
+        return self.mode is Mode.LOCAL
 
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
@@ -90,16 +85,15 @@ class Exchange(EnvoyStream):
             yield self._refuse(GatewayError(503, "the gateway is shutting down", code="draining"))
         elif handler is None:  # Envoy's route table answers these itself; never forward one
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
-        elif handler == "health":
+        elif handler in ("health", "models"):
             self.mode = Mode.LOCAL
-            yield msg.immediate_response(200, b'{"status":"ok"}', self.record)
+            yield msg.immediate_response(200, self._s.planner.answer(handler), self.record)
         elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
             yield self._refuse(refused)
         elif handler == "passthrough":
             self._plan, self.mode = self._s.planner.passthrough(), Mode.FORWARD
             yield msg.request_headers_reply(remove=self._unforwarded(), destination=",".join(self._plan.hosts))
-            if message.end_of_stream:
-                self._hand_off()
+            self._forwarded(message.end_of_stream)
         elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
         elif message.end_of_stream:
@@ -111,17 +105,13 @@ class Exchange(EnvoyStream):
         if self.mode is Mode.FORWARD:
             for reply in msg.request_body_replies(message.body, message.end_of_stream):
                 yield reply
-            if message.end_of_stream:
-                self._hand_off()
-            return
-        if self.mode is not Mode.PENDING:  # after an answer, or a duplicate end_of_stream (envoy#46237)
-            return
-        refused = self._body.add(message.body)
-        if refused is not None:
-            yield self._refuse(refused)
-        elif message.end_of_stream:
-            async for reply in self._dispatch(end_of_stream=True):
-                yield reply
+            self._forwarded(message.end_of_stream)
+        elif self.mode is Mode.PENDING:  # (not after an answer, nor a duplicate end_of_stream: envoy#46237)
+            if (refused := self._body.add(message.body)) is not None:
+                yield self._refuse(refused)
+            elif message.end_of_stream:
+                async for reply in self._dispatch(end_of_stream=True):
+                    yield reply
 
     async def _on_request_trailers(self, _: ext_proc_pb.HttpTrailers) -> Replies:
         if self.mode is Mode.PENDING:  # trailers, not end_of_stream, ended the body
@@ -129,24 +119,21 @@ class Exchange(EnvoyStream):
                 yield reply
         if self.mode in (Mode.FORWARD, Mode.PLANNED):
             yield msg.request_trailers_reply()
-        if self.mode is Mode.FORWARD:
-            self._hand_off()
+            self._forwarded(self.mode is Mode.FORWARD)
 
-    def _hand_off(self) -> None:
-        self.mode = Mode.HANDED_OFF
-        self.record.handed_off()
+    def _forwarded(self, whole: bool) -> None:  # a passthrough request, whole once sent on
+        if whole:
+            self.mode = Mode.LOCAL
+            self.record.handed_off()
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
         raw = self._body.take()
         plan = await self._s.planner.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
         self._plan, self._leases = plan, lease_ids(plan)
-        if isinstance(plan, TokenOnly) and plan.prefill is not None:
-            timeout = self._s.config.listener.stream_idle_timeout_s
-            self._plan = plan = await prefilled(plan, self._s.planner, self._s.http, timeout)
+        if isinstance(plan, TokenOnly):
+            self._plan = plan = await self._s.routable(plan, self.spawn)
             self._leases += [lease for lease in lease_ids(plan) if lease not in self._leases]
-        if isinstance(plan, TokenOnly) and plan.trigger_attempt is not None:  # its engine will call back
-            self._s.triggers.expect(plan, self.spawn)
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
         if isinstance(plan, Owned):
             self._owned = OwnedAnswer(self, self._s, plan, self.record)
@@ -174,16 +161,15 @@ class Exchange(EnvoyStream):
         return msg.immediate_response(error.status, error.body, self.record)
 
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
-        return self.interrupt(
-            GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")
-        )
+        error = GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")
+        return self.interrupt(error)
 
     def interrupt(self, error: GatewayError) -> list[ext_proc_pb.ProcessingResponse]:
         """The answer ends now (a bug, the drain deadline): as an error event and [DONE] once
         the client has headers, else as the error itself."""
         if self._owned is not None and self._owned.streaming:
             self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
-        if self.mode in (Mode.LOCAL, Mode.HANDED_OFF, Mode.OWNED) or (self._handler is not None and self._handler.done):
+        if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
         if isinstance(self._handler, StreamResponse):
             self._handler.done = True

@@ -6,15 +6,15 @@ from typing import Any
 
 import orjson
 
-from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.protocol import NOT_FOR_ENGINES, ApiKind, OpenAIRequest
 
 MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
 
 def parse_request(
-    api: ApiKind, content_type: str | None, raw: bytes, model: ModelConfig, vocab_size: int | None = None
+    api: ApiKind, content_type: str | None, raw: bytes, catalog: ModelCatalog, vocab_size: int | None = None
 ) -> OpenAIRequest:
     if content_type is not None and "json" not in content_type.lower():
         raise GatewayError(
@@ -26,10 +26,7 @@ def parse_request(
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
-    request = OpenAIRequest(api=api, body=body)
-    requested = body.get("model")
-    if requested is not None and requested != model.served_name:
-        raise GatewayError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+    request = OpenAIRequest(api=api, body=body, adapter=catalog.resolve(body.get("model")))
     required = "messages" if api is ApiKind.CHAT else "prompt"
     if body.get(required) in (None, [], ""):
         raise GatewayError(

@@ -31,6 +31,7 @@ import httpx
 import orjson
 
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
+from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, rendered
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
@@ -76,6 +77,7 @@ def parse_models(body: Any) -> dict[str, Any]:
         "root": roots[0] if roots else None,
         "max_model_len": min(lens) if lens else None,
         "lora_adapters": tuple(m["id"] for m in data if m.get("parent")),
+        "model_cards": tuple(data),
     }
 
 
@@ -208,10 +210,12 @@ class Capabilities:
         tokenization: TokenizationService,
         http: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self._config = config
         self._settings = config.capabilities
         self._scheduler = scheduler
+        self._catalog = catalog or ModelCatalog(config.model)
         self._tokenization = tokenization
         self._clock = clock
         self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name)
@@ -333,11 +337,17 @@ class Capabilities:
         self._scheduler.set_capabilities(
             address, verdict.held_out, verdict.token_only, context if isinstance(context, int) else None
         )
+        record = self.engines[address]
+        if record is not None and verdict.routes:  # its models and adapters, as it lists them
+            self._catalog.listed(address, [dict(card) for card in record.model_cards])
+            self._scheduler.lora.set_registered(address, record.lora_adapters)
+        else:
+            self._catalog.forget(address)
+            self._scheduler.lora.set_registered(address, ())
         block = adopted.get("block_size")
         if isinstance(block, int) and not self._others_use(address, role, self._scheduler.block_size(role)):
             self._scheduler.adopt_block_size(role, block)  # no engine of the pool hashes the configured size
         index_size = self._scheduler.block_size(role)
-        record = self.engines[address]
         unlike_index = "hash_algo" in adopted or (record is not None and record.block_size not in (None, index_size))
         self._scheduler.ignore_kv_events(address, verdict.routes and index_size is not None and unlike_index)
         if before != verdict:

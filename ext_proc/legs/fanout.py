@@ -125,7 +125,7 @@ class FanOut:
             "id": self._plan.tokenized.request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self._served_name,
+            "model": self._plan.tokenized.request.response_model(self._served_name),
             "choices": [],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion},
         }

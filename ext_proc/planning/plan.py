@@ -97,6 +97,16 @@ def lease_ids(plan: Plan) -> list[str]:
     return []
 
 
+def engine_legs(plan: Plan) -> list[tuple[str, str]]:
+    """(lease, chosen instance) of every engine call the plan has committed, prefill legs included."""
+    if isinstance(plan, Native):
+        return [(plan.lease_id, plan.hosts[0])]
+    if not isinstance(plan, TokenOnly | Owned):
+        return []
+    legs = [*plan.legs, *(leg.prefill for leg in plan.legs if leg.prefill is not None)]
+    return [(leg.lease_id, leg.hosts[0]) for leg in legs]
+
+
 def routed(plan: Plan | None) -> tuple[str | None, tuple[str, ...]]:
     """The lease and hosts of the leg Envoy routes, whose verdict Envoy's headers carry."""
     if isinstance(plan, Native):

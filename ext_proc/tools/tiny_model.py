@@ -153,3 +153,50 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     else:
         tmp.rename(out)
     return out
+
+
+def ensure_tiny_adapter(cache_dir: Path, base: Path, name: str, rank: int = 8) -> Path:
+    """A LoRA adapter of the tiny model (PEFT's files: `adapter_config.json` and
+    `adapter_model.safetensors`, q_proj and v_proj of every layer), random but seeded by its
+    name, and large enough that its answers differ from the base's. Generated once."""
+    out = cache_dir / f"tiny-lora-{name}-v{FORMAT_VERSION}"
+    if (out / ".complete").exists():
+        return out
+    require("generating a tiny LoRA adapter", PROCESSOR, "torch", "safetensors")
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    shapes = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(sum(name.encode()))
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, width in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(width, rank, generator=generator) * 0.5
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(shapes),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    (tmp / ".complete").write_text("ok\n")
+    if out.exists():  # another process won the race; keep its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out

@@ -70,6 +70,7 @@ def test_vllm_answers_parse_into_a_record() -> None:
         "root": "/cache/tiny-qwen3-v2",
         "max_model_len": 2048,
         "lora_adapters": ("sql-lora",),
+        "model_cards": tuple(MODELS["data"]),  # as listed: the gateway's /v1/models merges them
     }
     text = "# HELP vllm:cache_config_info Information\n# TYPE vllm:cache_config_info gauge\n" + CACHE_INFO + "\n"
     assert parse_cache_config(text) == {"block_size": 128, "hash_algo": "sha256_cbor"}

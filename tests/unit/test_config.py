@@ -55,7 +55,7 @@ def test_the_public_route_table_decides_who_answers() -> None:
     listener = load_config(env={}).listener
     assert listener.handler("POST", "/v1/chat/completions?x=1") == "chat"
     assert listener.handler("POST", "/v1/completions") == "completions"
-    assert listener.handler("GET", "/v1/models") == "passthrough"
+    assert listener.handler("GET", "/v1/models") == "models"  # the model catalog answers it
     assert listener.handler("GET", "/health") == "health"
     assert listener.handler("GET", "/v1/chat/completions") is None
     assert listener.handler("POST", "/inference/v1/generate") is None

@@ -17,6 +17,7 @@ from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import PublicRoute, TitoConfig
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.legs.http_client import CountingTransport
+from ext_proc.legs.lora import AdapterLoader
 from ext_proc.legs.trigger import Triggers
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
@@ -38,8 +39,10 @@ class FakeTokenization:
 
     def __init__(self) -> None:
         self.fail = False
+        self.rendered_model: str | None = None
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        self.rendered_model = orjson.loads(raw).get("model")  # what render was asked for
         if self.fail:
             raise RuntimeError("secret internal detail")
         prompts = request.body.get("prompt", ["chat"])
@@ -96,8 +99,10 @@ def engines() -> Engines:
     return Engines()
 
 
-def _services(engines: Engines, pools: list[dict[str, Any]] = UNION, budget: int = 10 * LIMIT) -> Services:
-    config = TitoConfig.model_validate({"listener": {"max_request_bytes": LIMIT}, "pools": pools})
+def _services(
+    engines: Engines, pools: list[dict[str, Any]] = UNION, budget: int = 10 * LIMIT, **sections: Any
+) -> Services:
+    config = TitoConfig.model_validate({"listener": {"max_request_bytes": LIMIT}, "pools": pools, **sections})
     http = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
     tokenization = FakeTokenization()
     planner = Planner(config, tokenization, build_scheduler(config))  # type: ignore[arg-type]
@@ -187,7 +192,8 @@ async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers
     services = _services(engines)
     exchange = Exchange(services)
     steering = {"x-data-parallel-rank": "1", "x-envoy-max-retries": "7", "authorization": "Bearer k"}
-    [reply] = await _run(exchange, _headers("/v1/models", "GET", end=True, traceparent="00-ab-cd-01", **steering))
+    services.config.listener.routes.append(PublicRoute(method="GET", path="/version", handler="passthrough"))
+    [reply] = await _run(exchange, _headers("/version", "GET", end=True, traceparent="00-ab-cd-01", **steering))
     removed = set(reply.request_headers.response.header_mutation.remove_headers)
     assert set(steering) <= removed and "traceparent" not in removed
     assert services.scheduler.ledger.active_leases == 0
@@ -521,3 +527,87 @@ async def _drain(exchange: Exchange) -> Any:
     while (reply := await exchange.outbox.get()) is not None:
         yield reply
         exchange.outbox.task_done()
+
+
+# -- the model catalog and LoRA adapters ----------------------------------------------------------
+
+CATALOG = {"adapters": [{"name": "sql", "path": "/adapters/sql"}], "aliases": ["tiny-latest"]}
+
+
+def _lora_services(engines: Engines, on_missing: str) -> Services:
+    services = _services(engines, model=CATALOG, lora={"on_missing": on_missing})
+    if on_missing == "load":
+        services.planner.load_adapter = AdapterLoader(services.http, services.scheduler, 5.0).load
+    return services
+
+
+async def test_models_is_answered_from_the_catalog(engines: Engines) -> None:
+    services = _services(engines, model=CATALOG)
+    exchange = Exchange(services)
+    status, body = _immediate(await _run(exchange, _headers("/v1/models", "GET", end=True)))
+    assert status == 200 and [(m["id"], m["parent"]) for m in body["data"]] == [
+        ("tiny", None),
+        ("tiny-latest", None),
+        ("sql", "tiny"),
+    ]
+    assert engines.calls == []
+    await _closed(services, exchange)
+
+
+async def test_an_adapter_is_rendered_as_its_base_and_generated_under_its_own_name(engines: Engines) -> None:
+    services = _lora_services(engines, "reject")
+    services.scheduler.lora.set_registered("127.0.0.1:8202", ["sql"])
+    exchange = Exchange(services)
+    replies = await _run(exchange, _headers(), _body({**CHAT, "model": "sql"}))
+    _, destination, body = _routed(replies)
+    assert services.tokenization.rendered_model == "tiny"  # type: ignore[attr-defined]
+    assert destination == "127.0.0.1:8202" and body["model"] == "sql"  # the only instance that lists it
+    assert services.scheduler.lora.running("127.0.0.1:8202") == {"sql": 1}
+    await _closed(services, exchange)
+    assert services.scheduler.lora.running("127.0.0.1:8202") == {}
+
+
+async def test_an_alias_is_the_base_and_an_unknown_model_gets_native_vllms_404(engines: Engines) -> None:
+    services = _lora_services(engines, "reject")
+    alias = Exchange(services)
+    _, _, body = _routed(await _run(alias, _headers(), _body({**CHAT, "model": "tiny-latest"})))
+    assert services.tokenization.rendered_model == "tiny" and "model" not in body  # type: ignore[attr-defined]
+    unknown = Exchange(services)
+    status, error = _local(await _run(unknown, _headers(), _body({**CHAT, "model": "gpt-5"})))
+    message = "The model `gpt-5` does not exist. Valid aliases: tiny, tiny-latest."
+    assert (status, error) == (
+        404,
+        {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}},
+    )
+    await _closed(services, alias, unknown)
+
+
+async def test_on_missing_reject_refuses_an_adapter_no_instance_lists(engines: Engines) -> None:
+    services = _lora_services(engines, "reject")
+    exchange = Exchange(services)
+    status, error = _local(await _run(exchange, _headers(), _body({**CHAT, "model": "sql"})))
+    assert status == 404 and error["error"]["message"].startswith("The model `sql` does not exist.")
+    assert engines.calls == []
+    await _closed(services, exchange)
+
+
+async def test_on_missing_load_loads_once_on_the_chosen_instance_then_routes_there(engines: Engines) -> None:
+    services = _lora_services(engines, "load")
+    engines.answer = lambda host, body: httpx.Response(200, text="Success")
+    first, second = Exchange(services), Exchange(services)
+    _, destination, body = _routed(await _run(first, _headers(), _body({**CHAT, "model": "sql"})))
+    _, again, _ = _routed(await _run(second, _headers(), _body({**CHAT, "model": "sql"})))
+    chosen = destination.split(",")[0]  # (then the fallbacks Envoy may retry on)
+    load = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    assert engines.calls == [(f"{chosen}/v1/load_lora_adapter", load)]
+    assert again.split(",")[0] == chosen and body["model"] == "sql"  # where it now runs
+    await _closed(services, first, second)
+
+
+async def test_a_failed_load_answers_the_engines_error_and_gives_the_lease_back(engines: Engines) -> None:
+    services = _lora_services(engines, "load")
+    error = {"error": {"message": "adapter not found", "type": "NotFoundError", "param": None, "code": 404}}
+    engines.answer = lambda host, body: httpx.Response(404, json=error)
+    exchange = Exchange(services)
+    assert _local(await _run(exchange, _headers(), _body({**CHAT, "model": "sql"}))) == (404, error)
+    await _closed(services, exchange)  # no lease left behind

@@ -1,0 +1,106 @@
+"""The model catalog (RFC 多模型路由): which `model` names the gateway serves and what each
+resolves to, once, before render: the base model (its served name or an alias) or one of its
+LoRA adapters (from config, and from what each engine's /v1/models lists with the base as
+`parent`). Render and derender always work under the base's served name (vLLM's render has no
+LoRA support; adapters share the base's tokenizer); the engine gets the adapter's name.
+Also the gateway's own /v1/models: what the engines list, merged, in vLLM's format."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from ext_proc.config import ModelConfig
+from ext_proc.errors import GatewayError
+from ext_proc.protocol import Adapter
+
+Card = dict[str, Any]  # one entry of /v1/models, as vLLM lists it
+
+
+class ModelCatalog:
+    def __init__(self, model: ModelConfig) -> None:
+        self._model = model
+        self.base_names = (model.served_name, *model.aliases)
+        self._configured = {a.name: a.path or "" for a in model.adapters}
+        self._engine_cards: dict[str, tuple[Card, ...]] = {}  # per engine address
+
+    def listed(self, address: str, cards: Sequence[Card]) -> None:
+        """What an engine's /v1/models listed (its capability record), kept for /v1/models
+        and for the adapters it names."""
+        self._engine_cards[address] = tuple(cards)
+
+    def forget(self, address: str) -> None:
+        self._engine_cards.pop(address, None)
+
+    def adapters(self) -> dict[str, str]:
+        """Every adapter of the base: name -> path (config first, then as engines list them)."""
+        found = dict(self._configured)
+        for cards in self._engine_cards.values():
+            for card in cards:
+                if card.get("parent") in self.base_names and isinstance(card.get("id"), str):
+                    found.setdefault(card["id"], str(card.get("root") or ""))
+        return found
+
+    def resolve(self, requested: str | None) -> Adapter | None:
+        """The adapter the request's model names (None: the base), or native vLLM's 404 for
+        a name it does not serve."""
+        if requested is None or requested in self.base_names:
+            return None
+        path = self.adapters().get(requested)
+        if path is None:
+            raise not_found(requested, self.base_names)
+        return Adapter(requested, path or None)
+
+    def models_body(self) -> bytes:
+        """/v1/models as the gateway serves it: the union of what the engines list (each name
+        once, the first engine's card), bases before adapters, and what config names that no
+        engine lists yet."""
+        cards: dict[str, Card] = {}
+        for engine in self._engine_cards.values():
+            for card in engine:
+                cards.setdefault(str(card.get("id")), card)
+        for name in self.base_names:
+            cards.setdefault(name, _card(name, self._model.path, None, self._model.max_model_len))
+        for name, path in self._configured.items():
+            cards.setdefault(name, _card(name, path, self._model.served_name, None))
+        ordered = sorted(cards.values(), key=lambda card: card.get("parent") is not None)  # stable
+        return orjson.dumps({"object": "list", "data": ordered})
+
+
+def not_found(requested: str, base_names: Sequence[str]) -> GatewayError:
+    """vLLM's own answer for a model it does not serve (`serve/engine/serving.py:_check_model`)."""
+    message = f"The model `{requested}` does not exist. Valid aliases: {', '.join(base_names)}."
+    return GatewayError(404, message, param="model", code=404, kind="NotFoundError")
+
+
+def _card(name: str, root: str | None, parent: str | None, max_model_len: int | None) -> Card:
+    """A card as vLLM's `ModelCard` serializes (for a name no engine has listed yet)."""
+    created = int(time.time())
+    permission: Mapping[str, Any] = {
+        "id": f"modelperm-{secrets.token_hex(8)}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }
