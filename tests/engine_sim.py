@@ -497,6 +497,9 @@ class EngineSim:
 
     async def version_info(self, request: Request) -> Response:
         await self._record(request)
+        fault = None if _is_probe(request) else self._take_fault()
+        if fault is not None and fault.kind == "status":
+            return _error(fault.status, f"simulated engine failure {fault.status}", "EngineError")
         return JSONResponse({"version": self.version})
 
     async def tokenize(self, request: Request) -> Response:

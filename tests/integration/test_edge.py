@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from ext_proc.config import DEFAULT_ROUTES
 from tests.conftest import RunningStack, SimGateway, running_sim_gateway
 from tests.engine_sim import Fault
 
@@ -34,6 +35,8 @@ def edge(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Itera
         2,
         processor={"max_response_bytes": RESPONSE_CAP},
         scheduler={"policy": "round_robin"},
+        # an engine's own route passed through (the default table has none: /v1/models is the catalog's)
+        listener={"routes": [*DEFAULT_ROUTES, {"method": "GET", "path": "/version", "handler": "passthrough"}]},
     ) as gateway:
         yield gateway
 
@@ -157,17 +160,17 @@ def test_a_passthrough_answer_costs_no_ext_proc_message(gw: SimGateway) -> None:
     """The processor picks the engine from the request headers and ends its stream with OK:
     Envoy forwards the engine's answer (and its error) without another message."""
     before = _ext_proc_messages(gw)
-    code, body = _raw(gw, "GET", "/v1/models")
-    assert code == 200 and orjson.loads(body)["data"][0]["id"] == "tiny"
+    code, body = _raw(gw, "GET", "/version")
+    assert code == 200 and orjson.loads(body) == {"version": "0.32.0"}
     assert tuple(n - b for n, b in zip(_ext_proc_messages(gw), before, strict=True)) == (1, 1)
 
 
 def test_passthrough_failures_never_open_a_breaker(gw: SimGateway) -> None:
-    """Ten 5xx on /v1/models and three on an engine route: every breaker stays closed and chat works."""
+    """Ten 5xx on a passthrough route and three on an engine route: every breaker stays closed and chat works."""
     for sim in gw.sims:
         sim.fault = Fault("status", status=500)
     for _ in range(10):
-        code, body = _raw(gw, "GET", "/v1/models")
+        code, body = _raw(gw, "GET", "/version")
         assert code == 500 and _error(body)["message"] == "simulated engine failure 500"
     for _ in range(3):
         assert _raw(gw, "POST", "/scale_elastic_ep", b"{}")[0] == 404
