@@ -23,30 +23,58 @@ from ext_proc.services import Services
 
 
 def state(services: Services) -> dict[str, Any]:
+    process, bases = services.process, services.bases
+    now = time.monotonic()  # the planners' clock
+    schedulers = [base.scheduler.snapshot(now) for base in bases]
+    capabilities = [base.capabilities.snapshot() for base in bases if base.capabilities is not None]
     return {
-        "active_exchanges": services.active_exchanges,
-        "owned_queue_depth_max": services.owned_queue_depth_max,
-        "relays": services.relays,
-        "exchanges": [
-            {"request": e.request_id, "mode": e.mode.value} for e in list(services.live)[:20] if not e.closed
-        ],
+        "active_exchanges": process.active_exchanges,
+        "owned_queue_depth_max": process.owned_queue_depth_max,
+        "relays": process.relays,
+        "exchanges": [{"request": e.request_id, "mode": e.mode.value} for e in list(process.live)[:20] if not e.closed],
         "open_http_streams": services.http_streams.open_streams + services.http_streams.in_flight,
-        "native_replays": services.native_replays,
-        "trigger_waiting": len(services.triggers),
+        "native_replays": process.native_replays,
+        "trigger_waiting": sum(len(base.triggers) for base in bases),
         "inflight_bytes": services.inflight.held,
         "tokenization": services.tokenization.snapshot(),
-        "scheduler": services.scheduler.snapshot(time.monotonic()),  # the planner's clock
+        "scheduler": _merged(schedulers, ("total_active_tokens", "active_requests", "prefix_index_blocks")),
         "event_loop_lag": services.loop_lag.snapshot(),
-        "draining": services.draining,
+        "draining": process.draining,
         "ready": readiness(services),
-        **({"capabilities": services.capabilities.snapshot()} if services.capabilities is not None else {}),
+        **({"capabilities": _merged(capabilities, ("rounds",))} if capabilities else {}),
+        # more than one base model: each one's own
+        **(
+            {"models": {b.config.model.served_name: _base_state(b, s) for b, s in zip(bases, schedulers, strict=True)}}
+            if len(bases) > 1
+            else {}
+        ),
     }
 
 
+def _base_state(base: Services, scheduler: dict[str, Any]) -> dict[str, Any]:
+    return {"tokenization": base.tokenization.snapshot(), "scheduler": scheduler, "ready": _base_ready(base)}
+
+
+def _merged(snapshots: list[dict[str, Any]], sums: tuple[str, ...]) -> dict[str, Any]:
+    """The bases' snapshots as one: the first's settings, totals summed, per-engine entries together."""
+    merged = dict(snapshots[0])
+    for key in sums:
+        merged[key] = sum(snapshot[key] for snapshot in snapshots)
+    for key in ("instances", "engines", "render"):
+        if key in merged:
+            merged[key] = {name: entry for snapshot in snapshots for name, entry in snapshot[key].items()}
+    return merged
+
+
 def readiness(services: Services) -> dict[str, bool]:
-    """Each condition of `/ready`: not draining; render answers (and agrees with the engines'
-    tokenizer) or the local tokenizer can stand in (never with token obfuscation); at least
-    one engine may be sent a request, and every pool has one that routes."""
+    """Each condition of `/ready`, for every base model: not draining; render answers (and
+    agrees with the engines' tokenizer) or the local tokenizer can stand in (never with token
+    obfuscation); at least one engine may be sent a request, and every pool has one that routes."""
+    bases = [_base_ready(base) for base in services.bases]
+    return {"serving": not services.process.draining} | {key: all(b[key] for b in bases) for key in bases[0]}
+
+
+def _base_ready(services: Services) -> dict[str, bool]:
     tokenization = services.tokenization.snapshot()
     render_up = (
         services.config.render_config.enable
@@ -56,7 +84,6 @@ def readiness(services: Services) -> dict[str, bool]:
     fallback = services.config.model.path is not None and services.codec is None
     now = time.monotonic()  # the planner's clock
     return {
-        "serving": not services.draining,
         "tokenization": render_up or fallback,
         # an engine whose cool-down is over counts: the next request is its probe
         "engines": any(not b.is_open(now) for b in services.scheduler.breakers.values()),
@@ -94,7 +121,10 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             body = await asyncio.wait_for(reader.readexactly(length), 5)
             attempt = parse_qs(query).get("attempt", [None])[0]
             try:
-                status, answer = await services.triggers.callback(attempt, body)
+                for base in services.bases:  # the base model whose Trigger leg waits for it
+                    status, answer = await base.triggers.callback(attempt, body)
+                    if status != 404:
+                        break
             except asyncio.CancelledError:  # the request's stream ended meanwhile
                 status, answer = 404, {"error": "the request is gone"}
             response = _respond(_STATUS.get(status, f"{status} Error"), "application/json", orjson.dumps(answer))

@@ -13,6 +13,7 @@ import uvloop
 
 from ext_proc.config import ProcessorConfig, load_config
 from ext_proc.extras import MissingExtra
+from ext_proc.tools.tiny_model import TINY_VOCAB
 
 
 def _processor(args: argparse.Namespace) -> int:
@@ -63,7 +64,9 @@ def _up(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     from ext_proc.tools.tiny_model import ensure_tiny_model
 
-    print(ensure_tiny_model(Path(args.cache_dir or load_config(args.config).local.cache_dir).expanduser()))
+    cache_dir = Path(args.cache_dir or load_config(args.config).local.cache_dir).expanduser()
+    for vocab_size in args.vocab_size:
+        print(ensure_tiny_model(cache_dir, vocab_size))
     return 0
 
 
@@ -106,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     envoy.set_defaults(func=_envoy_config)
     tiny = sub.add_parser("tiny-model", help="generate the tiny test model (if missing) and print its path")
     tiny.add_argument("--cache-dir", help="default: local.cache_dir of the config")
+    tiny.add_argument(
+        "--vocab-size", type=int, nargs="+", default=[TINY_VOCAB], help="one model per size (another tokenizer each)"
+    )
     tiny.set_defaults(func=_tiny_model)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -390,6 +390,18 @@ class LocalStackConfig(_Strict):
     engines_without_scale_out: list[str] = Field(default_factory=list)
 
 
+class BaseModelConfig(_Strict):
+    """Another base model of the catalog (RFC 多模型路由): what the top-level `model`,
+    `render_config`, `pools` and `obfuscation` are for the first one. Each base has its own
+    tokenizer, render endpoint, engines, scheduler and admission ledger, and its own
+    obfuscation secret; a request's `model` picks its base before anything is rendered."""
+
+    model: ModelConfig
+    render_config: RenderConfig = RenderConfig()
+    pools: list[PoolConfig]
+    obfuscation: ObfuscationConfig = ObfuscationConfig()
+
+
 class TitoConfig(_Strict):
     listener: ListenerConfig = ListenerConfig()
     processor: ProcessorConfig = ProcessorConfig()
@@ -406,19 +418,34 @@ class TitoConfig(_Strict):
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
     local: LocalStackConfig = LocalStackConfig()
+    models: list[BaseModelConfig] = Field(default_factory=list)  # more base models (the first is `model`)
 
     @model_validator(mode="after")
     def _pools_by_role(self) -> TitoConfig:
-        roles = [p.role for p in self.pools]
-        if len(set(roles)) != len(roles) or any(not p.instances for p in self.pools):
-            raise ValueError("pools: at most one per role, each with at least one instance")
-        if "union" not in roles and not {"prefill", "decode"} <= set(roles):
-            raise ValueError("pools: a union pool, or a prefill and a decode pool")
+        for base in self.bases():
+            roles = [p.role for p in base.pools]
+            if len(set(roles)) != len(roles) or any(not p.instances for p in base.pools):
+                raise ValueError("pools: at most one per role, each with at least one instance")
+            if "union" not in roles and not {"prefill", "decode"} <= set(roles):
+                raise ValueError("pools: a union pool, or a prefill and a decode pool")
+        return self
+
+    @model_validator(mode="after")
+    def _bases_apart(self) -> TitoConfig:
+        """Each base model its own names and its own engines (a request's model picks one)."""
+        names = [
+            n
+            for b in self.bases()
+            for n in (b.model.served_name, *b.model.aliases, *(a.name for a in b.model.adapters))
+        ]
+        engines = [i.address for b in self.bases() for p in b.pools for i in p.instances]
+        if len(set(names)) != len(names) or len(set(engines)) != len(engines):
+            raise ValueError("models: every base model, alias and adapter name once, every engine in one pool")
         return self
 
     @model_validator(mode="after")
     def _plain_engines_exist(self) -> TitoConfig:
-        addresses = {i.address for p in self.pools for i in p.instances}
+        addresses = {i.address for b in self.bases() for p in b.pools for i in p.instances}
         unknown = sorted(set(self.local.engines_without_scale_out) - addresses)
         if unknown:
             raise ValueError(f"local.engines_without_scale_out: {unknown} are not instances of any pool")
@@ -426,9 +453,26 @@ class TitoConfig(_Strict):
 
     @model_validator(mode="after")
     def _obfuscation_needs_render(self) -> TitoConfig:
-        if self.obfuscation.enable and not self.render_config.enable:
+        if any(base.obfuscation.enable and not base.render_config.enable for base in self.bases()):
             raise ValueError("obfuscation.enable needs render_config.enable: the local tokenizer would serve plaintext")
         return self
+
+    def bases(self) -> list[TitoConfig]:
+        """One config per base model: this one (its `model`, `render_config`, `pools` and
+        `obfuscation`), then one per `models` entry with those sections replaced by the
+        entry's. Everything below the catalog works on one base's config."""
+        return [self] + [
+            self.model_copy(
+                update={
+                    "model": base.model,
+                    "render_config": base.render_config,
+                    "pools": base.pools,
+                    "obfuscation": base.obfuscation,
+                    "models": [],
+                }
+            )
+            for base in self.models
+        ]
 
     def pool(self, role: str) -> PoolConfig | None:
         return next((p for p in self.pools if p.role == role), None)

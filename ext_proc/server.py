@@ -32,7 +32,7 @@ from ext_proc.obfuscation import build_codec
 from ext_proc.observability.request import Observability
 from ext_proc.observability.tracing import tracer_from_environment
 from ext_proc.planning.planner import Planner
-from ext_proc.services import Services
+from ext_proc.services import ProcessState, Services
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from scheduler import (
     AffinityWeights,
@@ -141,13 +141,28 @@ def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEve
     ]
 
 
+async def build_gateway(
+    config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, observability: Observability | None = None
+) -> Services:
+    """Every base model's services (the first base's, whose `bases` lists them all), sharing
+    the process's HTTP client, byte budget, observability and counters."""
+    first: Services | None = None
+    for base in config.bases():
+        services = build_services(base, http, streams, await build_renderer(base, http), observability, first)
+        first = first or services
+    assert first is not None
+    return first
+
+
 def build_services(
     config: TitoConfig,
     http: httpx.AsyncClient,
     streams: CountingTransport,
     renderer: Renderer | None,
     observability: Observability | None = None,
+    first: Services | None = None,
 ) -> Services:
+    """One base model's services; `first`: the first base's, whose process state it shares."""
     render = config.render_config
     cooldown = render.breaker_cooldown_s
     codec = build_codec(config)
@@ -162,14 +177,16 @@ def build_services(
     planner = Planner(config, tokenization, scheduler, catalog=catalog)
     if config.lora.on_missing == "load":
         planner.load_adapter = AdapterLoader(http, scheduler, config.capabilities.timeout_s).load
-    loop_lag = LoopLag()
+    loop_lag = first.loop_lag if first is not None else LoopLag()
     planner.loop_lag_ms = loop_lag.recent_ms
     capabilities = (
         Capabilities(config, scheduler, tokenization, http, catalog=catalog) if config.capabilities.enable else None
     )
-    collector = config.tracing.collector
-    tracer = tracer_from_environment(collector.url if collector is not None else None)
-    observability = observability or Observability(tracer=tracer)
+    if first is not None:
+        observability = first.observability
+    elif observability is None:
+        collector = config.tracing.collector
+        observability = Observability(tracer=tracer_from_environment(collector.url if collector is not None else None))
     planner.on_breaker = observability.breaker_changed
     if capabilities is not None:
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
@@ -182,14 +199,18 @@ def build_services(
         planner=planner,
         http=http,
         http_streams=streams,
-        inflight=ByteBudget(config.inflight_bytes),
+        inflight=first.inflight if first is not None else ByteBudget(config.inflight_bytes),
         triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
         codec=codec,
         observability=observability,
         capabilities=capabilities,
         loop_lag=loop_lag,
+        process=first.process if first is not None else ProcessState(),
     )
-    observability.metrics.watch(lambda: state(services))
+    if first is None:
+        observability.metrics.watch(lambda: state(services))
+    else:
+        first.process.bases.append(services)
     return services
 
 
@@ -204,17 +225,18 @@ def _both(first: Callable[[str, str], None], second: Callable[[str, str], None])
 async def drain(services: Services, timeout_s: float) -> None:
     """SIGTERM: new streams get a 503 (and `/ready` says so, for Envoy's health check); open
     ones may finish for `timeout_s`, then end with an OpenAI error event and [DONE]."""
-    services.draining = True
+    process = services.process
+    process.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    log.info("draining %d open streams (up to %g s)", services.active_exchanges, timeout_s)
-    while services.active_exchanges and loop.time() < deadline:
+    log.info("draining %d open streams (up to %g s)", process.active_exchanges, timeout_s)
+    while process.active_exchanges and loop.time() < deadline:
         await asyncio.sleep(0.05)
     error = GatewayError(503, "the gateway is shutting down", code="draining")
-    for exchange in [e for e in services.live if not e.closed]:
+    for exchange in [e for e in process.live if not e.closed]:
         for reply in exchange.interrupt(error):
             exchange.outbox.put_nowait(reply)
-    while services.active_exchanges and loop.time() < deadline + 2:  # their last bytes go out
+    while process.active_exchanges and loop.time() < deadline + 2:  # their last bytes go out
         await asyncio.sleep(0.05)
 
 
@@ -239,7 +261,7 @@ async def serve(
     )
     http, streams = http_client(config)
     async with http:
-        services = build_services(config, http, streams, await build_renderer(config, http), observability)
+        services = await build_gateway(config, http, streams, observability)
         # Everything loaded so far (vLLM, torch, tokenizers: millions of objects) lives as long
         # as the process: out of the collector's reach, a full collection no longer stalls
         # every stream for up to a second (measured by the loop-lag monitor).
@@ -251,10 +273,12 @@ async def serve(
         await server.start()
         admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
         lag_monitor = asyncio.create_task(services.loop_lag.run())
-        subscribers = [asyncio.create_task(s.run()) for s in kv_event_subscribers(config, services.scheduler)]
-        pollers = [asyncio.create_task(p.run()) for p in engine_metrics_pollers(config, services.scheduler, http)]
-        if services.capabilities is not None:
-            pollers.append(asyncio.create_task(services.capabilities.run()))
+        subscribers, pollers = [], []
+        for base in services.bases:
+            subscribers += [asyncio.create_task(s.run()) for s in kv_event_subscribers(base.config, base.scheduler)]
+            pollers += [asyncio.create_task(p.run()) for p in engine_metrics_pollers(base.config, base.scheduler, http)]
+            if base.capabilities is not None:
+                pollers.append(asyncio.create_task(base.capabilities.run()))
         worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
         log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
         if ready is not None:

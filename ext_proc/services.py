@@ -1,4 +1,7 @@
-"""What every stream of one processor process shares."""
+"""What every stream of one processor process shares: per base model of the catalog, its
+tokenization, derender, planner (scheduler) and capability records (`Services`, one per base);
+for the whole process, the HTTP client, byte budget, observability and counters
+(`ProcessState`, shared by every base's `Services`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import httpx
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
+from ext_proc.errors import GatewayError
+from ext_proc.frontend.model_catalog import models_body, not_found
+from ext_proc.frontend.openai_api import parse_body
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.http_client import CountingTransport
@@ -21,9 +27,23 @@ from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import Observability, current
-from ext_proc.planning.plan import Plan, TokenOnly
+from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner, token_only_required
+from ext_proc.protocol import ApiKind
 from scheduler import Scheduler
+
+
+@dataclass
+class ProcessState:
+    """What the processor process counts across its base models."""
+
+    bases: list[Services] = field(default_factory=list)  # the catalog's base models, the first is the default
+    active_exchanges: int = 0
+    live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
+    native_replays: int = 0
+    relays: int = 0  # engine streams replaced mid-answer (reschedule)
+    owned_queue_depth_max: int = 0  # the fullest a processor-owned stream's queue got (backpressure)
+    draining: bool = False  # SIGTERM: new streams are refused, open ones finish
 
 
 @dataclass
@@ -40,12 +60,38 @@ class Services:
     capabilities: Capabilities | None = None  # capability negotiation (off: None)
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
-    active_exchanges: int = 0
-    live: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # the exchanges, for /debug/state
-    native_replays: int = 0
-    relays: int = 0  # engine streams replaced mid-answer (reschedule)
-    owned_queue_depth_max: int = 0  # the fullest a processor-owned stream's queue got (backpressure)
-    draining: bool = False  # SIGTERM: new streams are refused, open ones finish
+    process: ProcessState = field(default_factory=ProcessState)
+
+    def __post_init__(self) -> None:
+        if not self.process.bases:  # a one-model gateway (and the first base of a catalog)
+            self.process.bases.append(self)
+
+    @property
+    def bases(self) -> list[Services]:
+        return self.process.bases
+
+    def base_for(self, requested: Any) -> Services:
+        """The base model a request's `model` names (its name, an alias or one of its
+        adapters; none: the first), or native vLLM's 404 naming every base's names."""
+        if requested is None:
+            return self.bases[0]
+        for base in self.bases:
+            if base.planner.catalog.serves(requested):
+                return base
+        raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
+
+    async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
+        """The request's base model (its services serve it from here on) and its plan."""
+        try:
+            body = parse_body(content_type, raw)
+            base = self.base_for(body.get("model"))
+        except GatewayError as error:
+            return self, Local(error.status, error.body)
+        return base, await base.planner.plan(api, body, raw, request_id)
+
+    def answer(self, handler: str) -> bytes:
+        """What the processor answers itself: health, and /v1/models (every base's catalog)."""
+        return b'{"status":"ok"}' if handler == "health" else models_body([b.planner.catalog for b in self.bases])
 
     @property
     def scheduler(self) -> Scheduler:
@@ -72,7 +118,7 @@ class Services:
             self.capabilities.probe_soon(address)
         if self.config.obfuscation.enable:  # fail closed: the native endpoint would get plaintext
             return error_answer(token_only_required(address), end)
-        self.native_replays += 1
+        self.process.native_replays += 1
         if (record := current()) is not None:
             record.native_replay(address)
         timeout = self.config.listener.stream_idle_timeout_s

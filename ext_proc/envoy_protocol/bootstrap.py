@@ -23,11 +23,12 @@ def render_bootstrap(config: TitoConfig) -> str:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    pools = [p for base in config.bases() for p in base.pools]  # every base model's engines
     return env.get_template(TEMPLATE).render(
         listener=config.listener,
         processor=config.processor,
-        instances=[i for p in config.pools for i in p.instances],
-        engine_requests=sum(p.max_requests_per_instance * len(p.instances) for p in config.pools),
+        instances=[i for p in pools for i in p.instances],
+        engine_requests=sum(p.max_requests_per_instance * len(p.instances) for p in pools),
         retries=config.scheduler.max_fallbacks,
         retry_budget_percent=config.scheduler.retry_budget_percent,
         tracing=config.tracing,

@@ -49,8 +49,8 @@ class Exchange(EnvoyStream):
         self._handler: ResponseHandler | None = None
         self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
-        services.active_exchanges += 1
-        services.live.add(self)
+        services.process.active_exchanges += 1
+        services.process.live.add(self)
 
     @property
     def answered(self) -> bool:
@@ -68,7 +68,7 @@ class Exchange(EnvoyStream):
         if self._owned is not None:
             self._owned.fanout.release()
         self._held.release()
-        self._s.active_exchanges -= 1
+        self._s.process.active_exchanges -= 1
 
     async def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")  # request_headers, request_body, ..., response_trailers
@@ -81,13 +81,13 @@ class Exchange(EnvoyStream):
         limit = self._s.config.listener.max_request_bytes
         handler = self._s.config.listener.handler(headers.get(":method", ""), headers.get(":path", ""))
         self.record.headers(handler, headers)
-        if self._s.draining:  # SIGTERM: open streams finish, new ones go elsewhere
+        if self._s.process.draining:  # SIGTERM: open streams finish, new ones go elsewhere
             yield self._refuse(GatewayError(503, "the gateway is shutting down", code="draining"))
         elif handler is None:  # Envoy's route table answers these itself; never forward one
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
         elif handler in ("health", "models"):
             self.mode = Mode.LOCAL
-            yield msg.immediate_response(200, self._s.planner.answer(handler), self.record)
+            yield msg.immediate_response(200, self._s.answer(handler), self.record)
         elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
             yield self._refuse(refused)
         elif handler == "passthrough":
@@ -129,7 +129,7 @@ class Exchange(EnvoyStream):
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._api is not None
         raw = self._body.take()
-        plan = await self._s.planner.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
+        self._s, plan = await self._s.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
             self._plan = plan = await self._s.routable(plan, self.spawn)

@@ -76,9 +76,9 @@ class OwnedAnswer:
                 log.info("client left %s; closing %d engine streams", self._plan.tokenized.request_id, open_streams)
             raise
         finally:
-            services = self._services
-            services.owned_queue_depth_max = max(services.owned_queue_depth_max, self.fanout.queue_depth_max)
-            services.relays += sum(prompt.attempts for prompt in self.fanout.prompts)
+            process = self._services.process
+            process.owned_queue_depth_max = max(process.owned_queue_depth_max, self.fanout.queue_depth_max)
+            process.relays += sum(prompt.attempts for prompt in self.fanout.prompts)
             self._stream.end()
             await self._close()
 

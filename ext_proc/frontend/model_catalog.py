@@ -45,6 +45,10 @@ class ModelCatalog:
                     found.setdefault(card["id"], str(card.get("root") or ""))
         return found
 
+    def serves(self, requested: Any) -> bool:
+        """The name is this base's (its served name, an alias or one of its adapters)."""
+        return isinstance(requested, str) and (requested in self.base_names or requested in self.adapters())
+
     def resolve(self, requested: str | None) -> Adapter | None:
         """The adapter the request's model names (None: the base), or native vLLM's 404 for
         a name it does not serve."""
@@ -55,10 +59,9 @@ class ModelCatalog:
             raise not_found(requested, self.base_names)
         return Adapter(requested, path or None)
 
-    def models_body(self) -> bytes:
-        """/v1/models as the gateway serves it: the union of what the engines list (each name
-        once, the first engine's card), bases before adapters, and what config names that no
-        engine lists yet."""
+    def cards(self) -> list[Card]:
+        """What the engines list (each name once, the first engine's card), then what config
+        names that no engine lists yet."""
         cards: dict[str, Card] = {}
         for engine in self._engine_cards.values():
             for card in engine:
@@ -67,8 +70,18 @@ class ModelCatalog:
             cards.setdefault(name, _card(name, self._model.path, None, self._model.max_model_len))
         for name, path in self._configured.items():
             cards.setdefault(name, _card(name, path, self._model.served_name, None))
-        ordered = sorted(cards.values(), key=lambda card: card.get("parent") is not None)  # stable
-        return orjson.dumps({"object": "list", "data": ordered})
+        return list(cards.values())
+
+
+def models_body(catalogs: Sequence[ModelCatalog]) -> bytes:
+    """/v1/models as the gateway serves it, in vLLM's format: every base model's cards, bases
+    before adapters (each adapter's `parent` names its base)."""
+    cards: dict[str, Card] = {}
+    for catalog in catalogs:
+        for card in catalog.cards():
+            cards.setdefault(str(card.get("id")), card)
+    ordered = sorted(cards.values(), key=lambda card: card.get("parent") is not None)  # stable
+    return orjson.dumps({"object": "list", "data": ordered})
 
 
 def not_found(requested: str, base_names: Sequence[str]) -> GatewayError:

@@ -13,9 +13,8 @@ from ext_proc.protocol import NOT_FOR_ENGINES, ApiKind, OpenAIRequest
 MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
 
-def parse_request(
-    api: ApiKind, content_type: str | None, raw: bytes, catalog: ModelCatalog, vocab_size: int | None = None
-) -> OpenAIRequest:
+def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
+    """The request body as JSON, parsed once (its `model` picks the base model first)."""
     if content_type is not None and "json" not in content_type.lower():
         raise GatewayError(
             400, f"content-type must be application/json, got {content_type!r}", code="invalid_content_type"
@@ -26,6 +25,12 @@ def parse_request(
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_request(
+    api: ApiKind, body: dict[str, Any], catalog: ModelCatalog, vocab_size: int | None = None
+) -> OpenAIRequest:
     request = OpenAIRequest(api=api, body=body, adapter=catalog.resolve(body.get("model")))
     required = "messages" if api is ApiKind.CHAT else "prompt"
     if body.get(required) in (None, [], ""):

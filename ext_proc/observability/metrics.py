@@ -161,7 +161,7 @@ class Metrics:
         self.derender_chunk = ChunkHistogram("tito_derender_chunk_seconds", "derender time per client chunk")
         registry.register(self.derender_chunk)
         self.requests = counter(
-            "tito_requests", "requests by API, client status and error code", ("api", "status", "code")
+            "tito_requests", "requests by API, client status, error code and model", ("api", "status", "code", "model")
         )
         self.render_fallbacks = counter("tito_render_fallbacks", "requests tokenized locally, by cause", ("cause",))
         self.native_replays = counter("tito_native_replays", "requests replayed on an engine's native endpoint")

@@ -56,6 +56,7 @@ class RequestRecord:
         self._start = time.perf_counter()
         self._start_ns = time.time_ns()
         self.api = "unrouted"
+        self.model = ""  # what the answer is named after: a base model or an adapter (once resolved)
         self.status: int | None = None
         self.code = ""
         self.prompt_tokens = 0
@@ -108,6 +109,12 @@ class RequestRecord:
         self.stream_interval = stream_interval
         self._o.metrics.stream_interval.observe(stream_interval)
 
+    def resolved(self, model: str) -> None:
+        """The request's model is known (the catalog's resolution)."""
+        self.model = model
+        if self._span is not None:
+            self._span.set_attribute("tito.model", model)
+
     def rejected(self, code: str) -> None:
         self._o.metrics.admission_rejections.labels(code).inc()
 
@@ -124,6 +131,7 @@ class RequestRecord:
             "generate",
             self.request_id,
             lease=lease_id,
+            model=self.model,
             role=role,
             instance=instance,
             matched_tokens=matched,
@@ -204,7 +212,7 @@ class RequestRecord:
             metrics.cancellations.labels(api).inc()
             stage("cancelled", self.request_id, status=self.status, completion_tokens=self.completion_tokens)
         status = str(self.status) if self.status is not None else "499" if cancelled else "0"
-        metrics.requests.labels(api, status, self.code).inc()
+        metrics.requests.labels(api, status, self.code, self.model).inc()
         metrics.request_seconds.labels(api).observe(ended - self._start)
         metrics.derender_chunk.merge(self._chunks)
         if self._first_chunk is not None and (self.status or 0) < 400 and not self.code:

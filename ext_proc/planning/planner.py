@@ -61,10 +61,6 @@ class Planner:
     def passthrough(self) -> Passthrough:
         return Passthrough(self.scheduler.passthrough_hosts())
 
-    def answer(self, handler: str) -> bytes:
-        """What the processor answers itself: health, and the model catalog's /v1/models."""
-        return b'{"status":"ok"}' if handler == "health" else self.catalog.models_body()
-
     def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
         """501 for a POST with token obfuscation on: what the gateway does not render
         (`/v1/responses`, `/v1/messages`, ...) an engine would tokenize itself, in plaintext."""
@@ -72,12 +68,15 @@ class Planner:
             return GatewayError(501, "not available with token obfuscation on", code="unsupported_with_obfuscation")
         return None
 
-    async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> Plan:
+    async def plan(self, api: ApiKind, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
+        """`body`: `raw` parsed (a JSON object), whose `model` is this planner's base model's."""
         try:
             model = self._config.model
-            request = parse_request(api, content_type, raw, self.catalog, vocab_size(model.path))
+            request = parse_request(api, body, self.catalog, vocab_size(model.path))
             if request.echo and self._config.derender.mode == "sidecar":
                 raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
+            if (record := current()) is not None:  # admission, metrics and stage lines per model
+                record.resolved(request.response_model(model.served_name))
             self._check_adapter(request.adapter)
             tokenized = with_adapter(
                 await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)

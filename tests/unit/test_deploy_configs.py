@@ -123,10 +123,18 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
     assert config.processor.host == ip("processor")
     assert config.render_config.endpoint.host == ip("render")
     assert [i.host for i in config.pools[0].instances] == [ip("engine")]
-    # the model the one-shot `model` service generates is the one everything loads
+    # the models the one-shot `model` service generates are the ones everything loads: two
+    # base models, each with its render sidecar and engine
+    (second,) = config.models
     assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
-    for name in ("render", "engine"):
-        assert f"--model={config.model.path}" in services[name]["command"]
+    assert second.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}-vocab768"
+    assert services["model"]["command"][-3:] == ["--vocab-size", "1024", "768"]
+    assert second.render_config.endpoint.host == ip("render-b")
+    assert [i.host for i in second.pools[0].instances] == [ip("engine-b")]
+    for base, suffix in ((config.model, ""), (second.model, "-b")):
+        for name in ("render", "engine"):
+            assert f"--model={base.path}" in services[name + suffix]["command"]
+            assert f"--served-model-name={base.served_name}" in services[name + suffix]["command"]
 
 
 def _kv_event_endpoints(config: TitoConfig) -> list[str]:

@@ -171,7 +171,7 @@ def _client_body(replies: list[Any]) -> bytes:
 async def _closed(services: Services, *exchanges: Exchange) -> dict[str, Any]:
     for exchange in exchanges:
         await exchange.aclose()
-    assert services.active_exchanges == 0 and services.inflight.held == 0
+    assert services.process.active_exchanges == 0 and services.inflight.held == 0
     state: dict[str, Any] = services.scheduler.snapshot()
     assert state["total_active_tokens"] == 0 and state["active_requests"] == 0
     return state
@@ -611,3 +611,58 @@ async def test_a_failed_load_answers_the_engines_error_and_gives_the_lease_back(
     exchange = Exchange(services)
     assert _local(await _run(exchange, _headers(), _body({**CHAT, "model": "sql"}))) == (404, error)
     await _closed(services, exchange)  # no lease left behind
+
+
+# -- several base models --------------------------------------------------------------------------
+
+
+def _two_bases(engines: Engines) -> tuple[Services, Services]:
+    """A catalog of two base models (the second: `tiny-b` on its own engine), as the server
+    builds it: each base its own tokenization, planner and scheduler, one process state."""
+    second_base = {"model": {"served_name": "tiny-b"}, "pools": [{"instances": [{"port": 8301}]}]}
+    first = _services(engines, models=[second_base])
+    config = first.config.bases()[1]
+    tokenization = FakeTokenization()
+    planner = Planner(config, tokenization, build_scheduler(config))  # type: ignore[arg-type]
+    second = Services(
+        config=config,
+        tokenization=tokenization,  # type: ignore[arg-type]
+        derender=FakeDerender(),
+        planner=planner,
+        http=first.http,
+        http_streams=first.http_streams,
+        inflight=first.inflight,
+        triggers=Triggers(planner, first.http, 5.0),
+        process=first.process,
+    )
+    first.process.bases.append(second)
+    return first, second
+
+
+async def test_a_requests_model_picks_its_base_models_render_and_engines(engines: Engines) -> None:
+    first, second = _two_bases(engines)
+    to_b, to_first, unnamed = Exchange(first), Exchange(first), Exchange(first)
+    _, destination, body = _routed(await _run(to_b, _headers(), _body({**CHAT, "model": "tiny-b"})))
+    assert destination == "127.0.0.1:8301" and "model" not in body  # the base itself: render's metadata
+    assert second.tokenization.rendered_model == "tiny-b"  # type: ignore[attr-defined]
+    assert first.tokenization.rendered_model is None  # type: ignore[attr-defined]
+    _, destination, _ = _routed(await _run(to_first, _headers(), _body(CHAT)))
+    assert destination.split(",")[0] in ("127.0.0.1:8201", "127.0.0.1:8202")
+    _, destination, _ = _routed(await _run(unnamed, _headers(), _body({k: v for k, v in CHAT.items() if k != "model"})))
+    assert destination.split(",")[0] != "127.0.0.1:8301"  # no model: the first base
+    assert second.scheduler.ledger.active_leases == 1 and first.scheduler.ledger.active_leases == 2
+    await _closed(first, to_b, to_first, unnamed)
+    assert second.scheduler.ledger.active_leases == 0
+
+
+async def test_models_and_the_404_name_every_base(engines: Engines) -> None:
+    first, _ = _two_bases(engines)
+    models, unknown = Exchange(first), Exchange(first)
+    status, body = _immediate(await _run(models, _headers("/v1/models", "GET", end=True)))
+    assert status == 200 and [m["id"] for m in body["data"]] == ["tiny", "tiny-b"]
+    status, error = _local(await _run(unknown, _headers(), _body({**CHAT, "model": "gpt-5"})))
+    assert (status, error["error"]["message"]) == (
+        404,
+        "The model `gpt-5` does not exist. Valid aliases: tiny, tiny-b.",
+    )
+    await _closed(first, models, unknown)

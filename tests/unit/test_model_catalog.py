@@ -8,7 +8,7 @@ import pytest
 
 from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.model_catalog import ModelCatalog
+from ext_proc.frontend.model_catalog import ModelCatalog, models_body
 from ext_proc.protocol import Adapter
 
 MODEL = ModelConfig.model_validate(
@@ -66,7 +66,7 @@ def test_models_lists_every_engines_cards_once_bases_first_then_config_only_name
     catalog = ModelCatalog(MODEL)
     catalog.listed("10.0.0.1:8000", ENGINE_CARDS[2:3])  # an engine that lists only an adapter first
     catalog.listed("10.0.0.2:8000", ENGINE_CARDS)
-    body = orjson.loads(catalog.models_body())
+    body = orjson.loads(models_body([catalog]))
     assert body["object"] == "list"
     ids = [(card["id"], card["parent"]) for card in body["data"]]
     assert ids == [

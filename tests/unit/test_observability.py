@@ -30,6 +30,7 @@ def test_a_finished_request_is_counted_by_status_code_and_its_chunks_by_duration
     observability = Observability()
     record = observability.begin("r1")
     record.headers("chat", {})
+    record.resolved("tiny-lora")  # an adapter's request: counted under its name
     started = time.perf_counter() - 0.003  # a 3 ms chunk: the 4.096 ms bucket, not the 2.048 ms one
     record.derendered(started)
     record.answered(200)
@@ -40,8 +41,14 @@ def test_a_finished_request_is_counted_by_status_code_and_its_chunks_by_duration
     failed.answered(429, "token_budget_exceeded", end=True)
     failed.finish()
     samples = _samples(observability)
-    assert samples[("tito_requests_total", (("api", "chat"), ("code", ""), ("status", "200")))] == 1
-    key = ("tito_requests_total", (("api", "completions"), ("code", "token_budget_exceeded"), ("status", "429")))
+    assert (
+        samples[("tito_requests_total", (("api", "chat"), ("code", ""), ("model", "tiny-lora"), ("status", "200")))]
+        == 1
+    )
+    key = (  # refused before its model was known
+        "tito_requests_total",
+        (("api", "completions"), ("code", "token_budget_exceeded"), ("model", ""), ("status", "429")),
+    )
     assert samples[key] == 1
     buckets = {labels[0][1]: v for (name, labels), v in samples.items() if name == "tito_derender_chunk_seconds_bucket"}
     assert buckets[repr(ChunkHistogram.BOUNDS_S[11])] == 0 and buckets[repr(ChunkHistogram.BOUNDS_S[12])] == 1
