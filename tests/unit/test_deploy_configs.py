@@ -388,10 +388,31 @@ def test_engines_are_the_engine_service(tmp_path: Path) -> None:
         f"--max-model-len={config.model.max_model_len}",
     ]
     assert set(model_flags) <= set(engine["args"]) and set(model_flags) <= set(render["args"])
-    # both pods generate the model everything loads
+    # both pods generate the model everything loads (the gateway pod every base's)
     assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
-    for deployment in (engines, _object("Deployment", "tito-gateway")):
-        assert _container(deployment, "model", init=True)["args"] == ["tiny-model", "--cache-dir", "/models"]
+    assert _container(engines, "model", init=True)["args"] == ["tiny-model", "--cache-dir", "/models"]
+    generated = _container(_object("Deployment", "tito-gateway"), "model", init=True)["args"]
+    assert generated == ["tiny-model", "--cache-dir", "/models", "--vocab-size", "1024", "768"]
+
+
+def test_the_second_base_model_has_its_render_sidecar_and_engine_service(tmp_path: Path) -> None:
+    (base,) = _cluster_config(tmp_path).models
+    service = _object("Service", "vllm-engine-b")
+    (port,) = service["spec"]["ports"]
+    assert [(i.host, i.port) for p in base.pools for i in p.instances] == [(service["spec"]["clusterIP"], port["port"])]
+    engines = _object("Deployment", "vllm-engine-b")
+    engine = _container(engines, "engine")
+    render = _container(_object("Deployment", "tito-gateway"), "render-b")
+    assert f"--port={base.render_config.endpoint.port}" in render["args"]
+    assert base.render_config.endpoint.host == "127.0.0.1"
+    model_flags = [
+        f"--model={base.model.path}",
+        f"--served-model-name={base.model.served_name}",
+        f"--max-model-len={base.model.max_model_len}",
+    ]
+    assert set(model_flags) <= set(engine["args"]) and set(model_flags) <= set(render["args"])
+    assert base.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}-vocab768"
+    assert _container(engines, "model", init=True)["args"][-2:] == ["--vocab-size", "768"]
 
 
 def test_mesh_filter_is_the_rendered_ext_proc_filter(tmp_path: Path) -> None:
