@@ -1,4 +1,5 @@
-"""`tito engines --config FILE`: what every engine and render endpoint of a config serves,
+"""`tito engines --config FILE`: what every engine and render endpoint of a config serves
+(of every base model),
 probed now the way a processor probes them at start-up (`ext_proc/legs/capabilities.py`),
 one line each: what it serves, what differs from the config, whether it routes and how.
 
@@ -75,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
     args = parser.parse_args(argv)
     logging.getLogger("tito").setLevel(logging.ERROR)  # the lines below say it all
-    config = load_config(args.config)
-    capabilities = asyncio.run(probe(config))
-    for line in report(config, capabilities):
-        print(line)
-    return 0 if capabilities.ready() else 1
+    ready = True
+    for base in load_config(args.config).bases():  # each base model: its render endpoint and engines
+        capabilities = asyncio.run(probe(base))
+        for line in report(base, capabilities):
+            print(line)
+        ready = ready and capabilities.ready()
+    return 0 if ready else 1
