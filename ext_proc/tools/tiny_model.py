@@ -151,14 +151,7 @@ def ensure_tiny_model(cache_dir: Path, vocab_size: int = TINY_VOCAB) -> Path:
     eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id("<|endoftext|>")
     assert eos_id is not None and pad_id is not None, "special tokens missing from the trained tokenizer"
     _write_model(tmp, vocab, eos_id, pad_id, seed=TINY_VOCAB - vocab_size)
-    (tmp / ".complete").write_text("ok\n")
-    if out.exists():  # another process won the race; keep its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(out)
-    return out
+    return _published(tmp, out)
 
 
 def ensure_tiny_adapter(cache_dir: Path, base: Path, name: str, rank: int = 8) -> Path:
@@ -198,8 +191,13 @@ def ensure_tiny_adapter(cache_dir: Path, base: Path, name: str, rank: int = 8) -
         "modules_to_save": None,
     }
     (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    return _published(tmp, out)
+
+
+def _published(tmp: Path, out: Path) -> Path:
+    """A finished `tmp` becomes `out`, unless another process won the race (its copy stays)."""
     (tmp / ".complete").write_text("ok\n")
-    if out.exists():  # another process won the race; keep its copy
+    if out.exists():
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)

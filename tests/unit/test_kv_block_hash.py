@@ -10,7 +10,7 @@ from scheduler.kv_block_hash import BlockHasher, Lora
 PROMPT = [(i * 7919) % 1021 for i in range(1000)]
 
 
-def _vllm_hashes(
+def vllm_hashes(
     block_size: int, token_ids: list[int], cache_salt: str | None = None, lora: Lora | None = None
 ) -> list[int]:
     from vllm import SamplingParams
@@ -41,17 +41,17 @@ def _no_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_block_hashes_equal_vllms(block_size: int) -> None:
     ours = BlockHasher(block_size).hashes(PROMPT)
     assert len(ours) == len(PROMPT) // block_size
-    assert ours == _vllm_hashes(block_size, PROMPT)
+    assert ours == vllm_hashes(block_size, PROMPT)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_cache_salt_and_lora_change_every_hash_as_vllms_do(block_size: int) -> None:
     hasher = BlockHasher(block_size)
     salted = hasher.hashes(PROMPT, cache_salt="tenant-a")
-    assert salted == _vllm_hashes(block_size, PROMPT, cache_salt="tenant-a")
+    assert salted == vllm_hashes(block_size, PROMPT, cache_salt="tenant-a")
     assert not set(salted) & set(hasher.hashes(PROMPT))  # the salt in block 0 reaches every chained hash
     lora = Lora("adapter", "/loras/adapter")
-    assert hasher.hashes(PROMPT, lora=lora) == _vllm_hashes(block_size, PROMPT, lora=lora)
+    assert hasher.hashes(PROMPT, lora=lora) == vllm_hashes(block_size, PROMPT, lora=lora)
 
 
 def test_a_shared_prefix_shares_its_hashes_and_a_seed_changes_them() -> None:

@@ -27,6 +27,7 @@ from scheduler import (
 )
 from scheduler.kv_block_hash import Lora
 from scheduler.policies import Policy
+from tests.unit.test_kv_block_hash import vllm_hashes
 
 ADDRS = ["a:1", "b:2", "c:3"]
 BLOCK = 16
@@ -196,33 +197,12 @@ def _no_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # the engines' default: the fixed seed
 
 
-def _vllm_hashes(token_ids: list[int], lora: Lora | None = None) -> list[int]:
-    """vLLM's own request block hashes (sha256_cbor, LoRA extra keys from its request), as
-    its KV events carry them."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.request import Request
-
-    kv_cache_utils.init_none_hash(sha256_cbor)
-    request = Request(
-        "r",
-        token_ids,
-        SamplingParams(max_tokens=1),
-        None,
-        lora_request=LoRARequest(lora.name, 1, lora.path) if lora else None,
-        block_hasher=kv_cache_utils.get_request_block_hasher(BLOCK, sha256_cbor),
-    )
-    return [kv_cache_utils.maybe_convert_block_hash(h) for h in request.block_hashes]
-
-
 @pytest.mark.usefixtures("_no_hash_seed")
 def test_kv_events_hashes_under_an_adapter_are_vllms() -> None:
     index = PrefixIndex(BLOCK, hasher=BlockHasher(BLOCK))
     a = index.hashes(PROMPT, "A", "/loras/a")
-    assert len(a) == 8 and a == _vllm_hashes(PROMPT, Lora("A", "/loras/a"))
-    assert index.hashes(PROMPT) == _vllm_hashes(PROMPT)
+    assert len(a) == 8 and a == vllm_hashes(BLOCK, PROMPT, lora=Lora("A", "/loras/a"))
+    assert index.hashes(PROMPT) == vllm_hashes(BLOCK, PROMPT)
     assert not set(a) & set(index.hashes(PROMPT, "B", "/loras/b"))
     assert index.hashes(PROMPT, "A") == []  # no path: the engine's hash cannot be predicted
 
@@ -232,7 +212,7 @@ def test_an_engines_blocks_for_one_adapter_match_it_and_not_another() -> None:
     scheduler = _scheduler(_everywhere("A", "B"), max_loras=2, policy=KvCacheAffinity(), prefix_source="kv_events")
     for address in ADDRS:
         scheduler.feeds.subscribed(address, live=True)
-    scheduler.kv_events("b:2", [BlockStored(tuple(_vllm_hashes(PROMPT, Lora("A", "/loras/a"))), BLOCK)])
+    scheduler.kv_events("b:2", [BlockStored(tuple(vllm_hashes(BLOCK, PROMPT, lora=Lora("A", "/loras/a"))), BLOCK)])
     for_a = _pick(scheduler, "r1", "A", "/loras/a")
     assert for_a.instance.address == "b:2" and for_a.matched_tokens == 8 * BLOCK
     assert _pick(scheduler, "r2", "B", "/loras/b").matched_tokens == 0
