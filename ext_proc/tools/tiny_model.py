@@ -18,6 +18,7 @@ from ext_proc.extras import PROCESSOR, require
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 EOS = "<|im_end|>"
 FORMAT_VERSION = "2"  # bump when the generated files change, so caches are rebuilt
+TINY_VOCAB = 1024  # the tiny model's vocabulary; another size trains another tokenizer
 
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
@@ -72,7 +73,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer(out: Path, vocab_size: int = 1024) -> int:
+def _train_tokenizer(out: Path, vocab_size: int = TINY_VOCAB) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -85,7 +86,10 @@ def _train_tokenizer(out: Path, vocab_size: int = 1024) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    # another size learns from the corpus written backwards: other merges, so the same text
+    # gets other ids (a base model whose tokenizer really differs)
+    corpus = _corpus() if vocab_size == TINY_VOCAB else [line[::-1] for line in _corpus()]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -127,9 +131,6 @@ def _write_model(out: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int
     model.save_pretrained(out, safe_serialization=True)
     generation = {"eos_token_id": [eos_id], "pad_token_id": pad_id, "do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(generation))
-
-
-TINY_VOCAB = 1024  # the tiny model's vocabulary; another size trains another tokenizer
 
 
 def ensure_tiny_model(cache_dir: Path, vocab_size: int = TINY_VOCAB) -> Path:

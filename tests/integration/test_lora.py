@@ -29,7 +29,7 @@ def lora(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Itera
         tmp_path_factory.mktemp("lora"),
         3,
         model=CATALOG,
-        lora={"on_missing": "load", "max_loras": 1},
+        lora={"on_missing": "load", "max_loras": 1, "spread_requests": 3},
         capabilities={"interval_s": 0.5},  # adapters an engine lists join its record quickly
     ) as gateway:
         yield gateway
@@ -137,11 +137,8 @@ def test_an_adapter_no_engine_lists_is_loaded_once_where_it_goes(gw: SimGateway)
     assert _generated(gw)[loaded[0].address] == ["sql"] * 4
 
 
-def test_three_adapters_over_three_instances_settle_one_per_instance(gw: SimGateway) -> None:
-    for sim in gw.sims:
-        sim.adapters.update({"a": "/mnt/a", "b": "/mnt/b", "c": "/mnt/c"})
-        sim.token_delay_s = 0.02  # requests overlap as a steady stream would
-    _wait_registered(gw, {sim.address: ["a", "b", "c"] for sim in gw.sims})
+def _streams(gw: SimGateway, requests: list[tuple[str, int]], gap_s: float) -> None:
+    """Streaming chats (model, max_tokens), started `gap_s` apart, all read to the end."""
 
     def stream(model: str, max_tokens: int) -> None:
         body = {**CHAT, "model": model, "max_tokens": max_tokens, "stream": True}
@@ -149,17 +146,32 @@ def test_three_adapters_over_three_instances_settle_one_per_instance(gw: SimGate
             assert r.status_code == 200
             r.read()
 
-    threads: list[threading.Thread] = []
-    for model in ("a", "b", "c"):  # one long stream per adapter, then a burst of short ones
-        threads.append(threading.Thread(target=stream, args=(model, 60)))
-        threads[-1].start()
-        time.sleep(0.1)
-    for n in range(12):
-        threads.append(threading.Thread(target=stream, args=("abc"[n % 3], 8)))
-        threads[-1].start()
-        time.sleep(0.05)
+    threads = [threading.Thread(target=stream, args=request) for request in requests]
+    for thread in threads:
+        thread.start()
+        time.sleep(gap_s)
     for thread in threads:
         thread.join(60)
+
+
+def test_a_hot_adapter_spreads_to_instances_with_a_free_slot(gw: SimGateway) -> None:
+    for sim in gw.sims:
+        sim.adapters["hot"] = "/mnt/hot"
+        sim.token_delay_s = 0.02
+    _wait_registered(gw, {sim.address: ["hot"] for sim in gw.sims})
+    _streams(gw, [("hot", 40)] * 6, 0.05)  # at spread_requests (3) in flight, the next goes elsewhere
+    served = sorted(len(models) for models in _generated(gw).values())
+    assert served == [0, 3, 3], served
+
+
+def test_three_adapters_over_three_instances_settle_one_per_instance(gw: SimGateway) -> None:
+    for sim in gw.sims:
+        sim.adapters.update({"a": "/mnt/a", "b": "/mnt/b", "c": "/mnt/c"})
+        sim.token_delay_s = 0.02  # requests overlap as a steady stream would
+    _wait_registered(gw, {sim.address: ["a", "b", "c"] for sim in gw.sims})
+
+    # one long stream per adapter, then a burst of short ones
+    _streams(gw, [(model, 60) for model in "abc"] + [("abc"[n % 3], 8) for n in range(12)], 0.07)
     homes = {address: set(models) for address, models in _generated(gw).items()}
     assert sorted(len(models) for models in homes.values()) == [1, 1, 1], homes  # max_loras 1 each
     assert set.union(*homes.values()) == {"a", "b", "c"}
