@@ -16,7 +16,7 @@ A `Plan` is one of:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
@@ -105,6 +105,21 @@ def engine_legs(plan: Plan) -> list[tuple[str, str]]:
         return []
     legs = [*plan.legs, *(leg.prefill for leg in plan.legs if leg.prefill is not None)]
     return [(leg.lease_id, leg.hosts[0]) for leg in legs]
+
+
+def pinned(plan: Plan, addresses: set[str]) -> Plan:
+    """The plan without fallbacks on the legs sent to these instances: a LoRA adapter was
+    loaded there only, and Envoy's retry elsewhere would meet an engine without it."""
+
+    def pin(leg: Leg) -> Leg:
+        prefill = pin(leg.prefill) if leg.prefill is not None else None
+        return replace(leg, hosts=leg.hosts[:1] if leg.hosts[0] in addresses else leg.hosts, prefill=prefill)
+
+    if isinstance(plan, Native) and plan.hosts[0] in addresses:
+        return replace(plan, hosts=plan.hosts[:1])
+    if isinstance(plan, TokenOnly | Owned):
+        return replace(plan, legs=tuple(pin(leg) for leg in plan.legs))
+    return plan
 
 
 def routed(plan: Plan | None) -> tuple[str | None, tuple[str, ...]]:

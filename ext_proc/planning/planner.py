@@ -29,7 +29,7 @@ from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.model_files import vocab_size
 from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
-from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs
+from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
 from ext_proc.planning.stream_interval import stream_interval
 from ext_proc.protocol import Adapter, ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
@@ -85,8 +85,7 @@ class Planner:
             return Local(error.status, error.body)
         record, started = current(), time.perf_counter()
         try:
-            plan = self.place(tokenized, raw)
-            await self._load_adapter(plan, tokenized.request.adapter)
+            plan = await self._load_adapter(self.place(tokenized, raw), tokenized.request.adapter)
         except GatewayError as error:
             if record is not None and error.code in ("token_budget_exceeded", "no_healthy_instance"):
                 record.rejected(str(error.code))
@@ -105,20 +104,23 @@ class Planner:
         if on_missing == "reject" or (on_missing == "load" and adapter.path is None):
             raise not_found(adapter.name, self.catalog.base_names)
 
-    async def _load_adapter(self, plan: Plan, adapter: Adapter | None) -> None:
+    async def _load_adapter(self, plan: Plan, adapter: Adapter | None) -> Plan:
         """`lora.on_missing: load`: every instance the plan chose that does not list the
-        adapter loads it before its leg is sent (once: concurrent requests share the load).
-        A failed load gives the plan's leases back and answers the engine's error."""
+        adapter loads it before its leg is sent (once: concurrent requests share the load),
+        and that leg keeps no fallback (which would not have it). A failed load gives the
+        plan's leases back and answers the engine's error."""
         if adapter is None or self.load_adapter is None or self._config.lora.on_missing != "load":
-            return
+            return plan
         legs = engine_legs(plan)
+        missing = {a for _, a in legs if adapter.name not in self.scheduler.lora.registered(a)}
         try:
-            for address in dict.fromkeys(a for _, a in legs if adapter.name not in self.scheduler.lora.registered(a)):
+            for address in sorted(missing):
                 await self.load_adapter(address, adapter)
         except GatewayError:
             for lease, _ in legs:
                 self.finish(lease)
             raise
+        return pinned(plan, missing)
 
     def _as_base(self, request: OpenAIRequest, raw: bytes) -> bytes:
         """The body render gets: named after the base model (render serves no alias and no

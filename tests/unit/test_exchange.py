@@ -597,10 +597,10 @@ async def test_on_missing_load_loads_once_on_the_chosen_instance_then_routes_the
     first, second = Exchange(services), Exchange(services)
     _, destination, body = _routed(await _run(first, _headers(), _body({**CHAT, "model": "sql"})))
     _, again, _ = _routed(await _run(second, _headers(), _body({**CHAT, "model": "sql"})))
-    chosen = destination.split(",")[0]  # (then the fallbacks Envoy may retry on)
+    chosen = destination  # no fallback: no other instance has the adapter
     load = {"lora_name": "sql", "lora_path": "/adapters/sql"}
     assert engines.calls == [(f"{chosen}/v1/load_lora_adapter", load)]
-    assert again.split(",")[0] == chosen and body["model"] == "sql"  # where it now runs
+    assert again == chosen and body["model"] == "sql"  # where it now runs (the only one listing it)
     await _closed(services, first, second)
 
 

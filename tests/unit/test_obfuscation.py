@@ -121,6 +121,33 @@ def test_the_codec_comes_from_the_config_with_the_models_vocab_and_added_tokens(
     assert build_codec(TitoConfig()) is None
 
 
+def test_each_base_model_has_its_own_secret_and_vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, size in (("a", 300), ("b", 200)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"vocab_size": size}))
+    monkeypatch.setenv("SECRET_A", "ka")
+    monkeypatch.setenv("SECRET_B", "kb")
+    second = {
+        "model": {"path": str(tmp_path / "b"), "served_name": "b"},
+        "pools": [{"instances": [{"port": 8300}]}],
+        "obfuscation": {"enable": True, "secret_env": "SECRET_B"},
+    }
+    config = TitoConfig.model_validate(
+        {
+            "model": {"path": str(tmp_path / "a"), "served_name": "a"},
+            "obfuscation": {"enable": True, "secret_env": "SECRET_A"},
+            "models": [second],
+        }
+    )
+    first_codec, second_codec = (build_codec(base) for base in config.bases())
+    assert first_codec is not None and second_codec is not None
+    ids = list(range(200))
+    assert first_codec.physical_ids(ids) == KeyedPermutation(300, [], b"ka").obfuscate(ids)
+    assert second_codec.physical_ids(ids) == KeyedPermutation(200, [], b"kb").obfuscate(ids)
+    with pytest.raises(GatewayError):  # the second base's vocabulary is its own
+        second_codec.physical_ids([250])
+
+
 def test_the_prefix_index_is_keyed_on_physical_ids() -> None:
     config = TitoConfig.model_validate({"scheduler": {"policy": "kv_cache_affinity"}, "pools": [{"block_size": 16}]})
     planner = Planner(config, None, build_scheduler(config))  # type: ignore[arg-type]
