@@ -27,17 +27,23 @@ class ModelCatalog:
         self.base_names = (model.served_name, *model.aliases)
         self._configured = {a.name: a.path or "" for a in model.adapters}
         self._engine_cards: dict[str, tuple[Card, ...]] = {}  # per engine address
+        self._adapters = dict(self._configured)  # every adapter: name -> path (a request's lookup)
 
     def listed(self, address: str, cards: Sequence[Card]) -> None:
         """What an engine's /v1/models listed (its capability record), kept for /v1/models
         and for the adapters it names."""
         self._engine_cards[address] = tuple(cards)
+        self._adapters = self._found()
 
     def forget(self, address: str) -> None:
         self._engine_cards.pop(address, None)
+        self._adapters = self._found()
 
     def adapters(self) -> dict[str, str]:
         """Every adapter of the base: name -> path (config first, then as engines list them)."""
+        return self._adapters
+
+    def _found(self) -> dict[str, str]:
         found = dict(self._configured)
         for cards in self._engine_cards.values():
             for card in cards:
