@@ -216,6 +216,10 @@ def _on_local_ports(config: TitoConfig, model: Path, render_port: int) -> TitoCo
     config.processor.port, config.processor.admin_port = free_port(), free_port()
     config.render_config.endpoint = Endpoint(port=render_port)
     config.model.path = str(model)
+    for base in config.models:  # further base models: their tiny models generated here, render down too
+        vocab = int(str(base.model.path).rsplit("-vocab", 1)[1])
+        base.model.path = str(ensure_tiny_model(model.parent, vocab))
+        base.render_config.endpoint = Endpoint(port=free_port())
     return config
 
 
@@ -240,7 +244,8 @@ def test_each_deployed_command_runs_in_the_image(
     if command == "tiny-model":  # the model job: torch and transformers in the image
         result = image.run(_localized(deployed.args, tmp_path, config))
         assert result.returncode == 0, result.stderr[-3000:]
-        assert (Path(result.stdout.strip()) / ".complete").exists()
+        printed = result.stdout.split()  # one path per --vocab-size
+        assert printed and all((Path(path) / ".complete").exists() for path in printed)
     elif command == "envoy-config":  # the bootstrap the deployment's Envoy loads, from its config as mounted
         result = image.run(_localized(deployed.args, tmp_path, deployed.config))
         assert result.returncode == 0, result.stderr[-3000:]
