@@ -37,6 +37,9 @@ def state(services: Services) -> dict[str, Any]:
         "trigger_waiting": sum(len(base.triggers) for base in bases),
         "inflight_bytes": services.inflight.held,
         "tokenization": services.tokenization.snapshot(),
+        "render_endpoints": {
+            name: e for b in bases for name, e in b.tokenization.snapshot()["render_endpoints"].items()
+        },
         "scheduler": _merged(schedulers, ("total_active_tokens", "active_requests", "prefix_index_blocks")),
         "event_loop_lag": services.loop_lag.snapshot(),
         "draining": process.draining,

@@ -142,6 +142,12 @@ class ProcessorConfig(_Strict):
         )
 
 
+class RenderEndpoint(Endpoint):
+    """One render process of the pool."""
+
+    timeout_ms: int | None = None  # this endpoint's own per-attempt timeout (None: the pool's)
+
+
 class RenderConfig(_Strict):
     """sidecar: the render sidecar over HTTP (the RFC's Render service). in_process: vLLM's
     own renderer (what the sidecar serves) loaded into the processor at start-up, no HTTP hop:
@@ -151,10 +157,35 @@ class RenderConfig(_Strict):
     enable: bool = True
     mode: Literal["sidecar", "in_process"] = "sidecar"
     endpoint: Endpoint = Endpoint(port=8100)
-    timeout_ms: int = 5000
-    breaker_cooldown_s: float = 5.0  # after a render failure, requests skip render this long
+    # The render pool (RFC Render Pool): one endpoint per render process or host. Empty:
+    # `replicas` endpoints on `endpoint`'s host, from its port up (`tito up` starts them).
+    endpoints: list[RenderEndpoint] = Field(default_factory=list)
+    replicas: int = Field(default=1, ge=1)
+    timeout_ms: int = 5000  # per endpoint attempt (an endpoint's own `timeout_ms` overrides it)
+    breaker_cooldown_s: float = 5.0  # after a render failure, that endpoint is skipped this long
+    # a slow endpoint: a warning when the p99 of its last renders exceeds this
+    p99_budget_ms: float = 1000.0
+    # in_process: chat text tokenized per piece between special tokens, each piece once
+    # (`ext_proc/frontend/render_prefix_cache.py`; byte-identical, fuzzed in `make test`)
+    prefix_cache: bool = False
+    prefix_cache_max_ids: int = 2_000_000  # token ids it holds (about 60 bytes each)
     renderer_num_workers: int = 4
     image_name: str = "vllm/vllm-openai:v0.32.0"
+
+    def pool(self) -> list[RenderEndpoint]:
+        """Every render endpoint of this base model (sidecar mode), the first one first."""
+        if self.endpoints:
+            return list(self.endpoints)
+        first = self.endpoint
+        return [RenderEndpoint(host=first.host, port=first.port + i) for i in range(self.replicas)]
+
+    @model_validator(mode="after")
+    def _first_endpoint(self) -> RenderConfig:
+        """`endpoint` is always the first of the pool (what derender's sidecar mode and a
+        one-endpoint deployment use)."""
+        if self.endpoints:
+            self.endpoint = Endpoint(host=self.endpoints[0].host, port=self.endpoints[0].port)
+        return self
 
 
 class DerenderConfig(_Strict):

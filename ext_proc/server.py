@@ -19,7 +19,8 @@ from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog
-from ext_proc.frontend.render import RenderClient, Renderer
+from ext_proc.frontend.render import RenderClient
+from ext_proc.frontend.render_pool import RenderPool, pool_member
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.engine_metrics import engine_metrics_pollers
@@ -38,7 +39,6 @@ from scheduler import (
     AffinityWeights,
     BreakerConfig,
     Capability,
-    CircuitBreaker,
     Instance,
     Pool,
     Role,
@@ -116,17 +116,25 @@ def _pool(config: PoolConfig) -> Pool:
     return Pool(config.name, role, tuple(instance(i) for i in config.instances), config.block_size)
 
 
-async def build_renderer(config: TitoConfig, http: httpx.AsyncClient) -> Renderer | None:
-    """The configured render (None: disabled): the sidecar's client, or vLLM's renderer
-    loaded into this process now (seconds), never on a request."""
+async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> RenderPool | None:
+    """The configured render (None: disabled): a client per render endpoint, or vLLM's
+    renderer loaded into this process now (seconds), never on a request."""
     render = config.render_config
     if not render.enable:
         return None
+    cooldown = render.breaker_cooldown_s
     if render.mode == "in_process":
         from ext_proc.frontend.render_in_process import InProcessRender
 
-        return await InProcessRender.load(config.model)
-    return RenderClient(render, http)
+        renderer = await InProcessRender.load(config.model, render.prefix_cache, render.prefix_cache_max_ids)
+        members = [pool_member("in_process", None, renderer, cooldown)]
+        members[0].prefix_cache = renderer.prefix_cache
+    else:
+        members = [
+            pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms, http), cooldown)
+            for e in render.pool()
+        ]
+    return RenderPool(members, config.model.served_name, render.p99_budget_ms)
 
 
 def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEventSubscriber]:
@@ -148,7 +156,7 @@ async def build_gateway(
     the process's HTTP client, byte budget, observability and counters."""
     first: Services | None = None
     for base in config.bases():
-        services = build_services(base, http, streams, await build_renderer(base, http), observability, first)
+        services = build_services(base, http, streams, await build_render_pool(base, http), observability, first)
         first = first or services
     assert first is not None
     return first
@@ -158,20 +166,15 @@ def build_services(
     config: TitoConfig,
     http: httpx.AsyncClient,
     streams: CountingTransport,
-    renderer: Renderer | None,
+    render_pool: RenderPool | None,
     observability: Observability | None = None,
     first: Services | None = None,
 ) -> Services:
     """One base model's services; `first`: the first base's, whose process state it shares."""
     render = config.render_config
-    cooldown = render.breaker_cooldown_s
     codec = build_codec(config)
-    tokenization = TokenizationService(
-        renderer,
-        CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown, max_cooldown_s=cooldown)),
-        LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s),
-        codec,
-    )
+    local = LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s)
+    tokenization = TokenizationService(render_pool, local, codec)
     scheduler = build_scheduler(config, gated=config.capabilities.enable)
     catalog = ModelCatalog(config.model)  # what engines list feeds resolution and /v1/models
     planner = Planner(config, tokenization, scheduler, catalog=catalog)
@@ -188,6 +191,8 @@ def build_services(
         collector = config.tracing.collector
         observability = Observability(tracer=tracer_from_environment(collector.url if collector is not None else None))
     planner.on_breaker = observability.breaker_changed
+    if render_pool is not None:
+        render_pool.on_render = observability.render_attempt
     if capabilities is not None:
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
     services = Services(
@@ -279,6 +284,8 @@ async def serve(
             pollers += [asyncio.create_task(p.run()) for p in engine_metrics_pollers(base.config, base.scheduler, http)]
             if base.capabilities is not None:
                 pollers.append(asyncio.create_task(base.capabilities.run()))
+            if base.tokenization.pool is not None:  # failed render endpoints probed back in
+                pollers.append(asyncio.create_task(base.tokenization.pool.run()))
         worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
         log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
         if ready is not None:

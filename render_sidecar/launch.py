@@ -10,7 +10,7 @@ import importlib.metadata
 import json
 import sys
 
-from ext_proc.config import KvEventsEndpoint, LoraConfig, ModelConfig, RenderConfig
+from ext_proc.config import Endpoint, KvEventsEndpoint, LoraConfig, ModelConfig, RenderConfig
 
 RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -39,8 +39,11 @@ def model_flags(model: ModelConfig, model_path: str) -> list[str]:
     return flags
 
 
-def render_command(render: RenderConfig, model: ModelConfig, model_path: str) -> list[str]:
-    endpoint = render.endpoint
+def render_command(
+    render: RenderConfig, model: ModelConfig, model_path: str, endpoint: Endpoint | None = None
+) -> list[str]:
+    """One render process, on `endpoint` (default: the pool's first)."""
+    endpoint = endpoint or render.endpoint
     args = model_flags(model, model_path)
     args += ["--host", endpoint.host, "--port", str(endpoint.port)]
     args += ["--renderer-num-workers", str(render.renderer_num_workers)]

@@ -197,7 +197,7 @@ def tito_up(work: Path, config: TitoConfig, env: dict[str, str] | None = None) -
     yield running
     process.send_signal(signal.SIGTERM)
     code = process.wait(90)
-    ports = [config.listener.port, config.processor.port, config.render_config.endpoint.port]
+    ports = [config.listener.port, config.processor.port, *(e.port for e in config.render_config.pool())]
     ports += [i.port for pool in config.pools for i in pool.instances]
     still_open = [p for p in ports if port_open(p)]
     assert code == 0 and not still_open, f"tito up exit {code}, ports still open {still_open}:\n" + "\n".join(
@@ -210,7 +210,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator
     work = tmp_path_factory.mktemp("stack")
     # Qwen-style parsers, as production runs them: derender then replays with the full prompt.
     parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
-    config = gateway_config(work / "cache", free_port(), [Endpoint(port=free_port())], None, model=parsers)
+    # A render pool of two processes (tests/integration/test_render_pool.py kills them);
+    # gateways started beside this stack use the first one alone.
+    render = {"replicas": 2}
+    config = gateway_config(
+        work / "cache", free_ports(2), [Endpoint(port=free_port())], None, model=parsers, render_config=render
+    )
     with tito_up(work, config) as running:
         yield running
 

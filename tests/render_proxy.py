@@ -23,7 +23,8 @@ from tests.servers import ThreadedServer
 @dataclass
 class RenderFault:
     """`target`: "render" or "derender" (the path suffix). kinds: `status` (answer `status`
-    with `body`), `stall` (never answer), `invalid_body` (200 without token_ids).
+    with `body`), `stall` (never answer), `invalid_body` (200 without token_ids), `delay`
+    (answer after `delay_s`: a slow, saturated endpoint).
     `stream`: for derender, hit only streaming (True) or batch (False) calls; None: both."""
 
     target: str
@@ -32,6 +33,7 @@ class RenderFault:
     body: bytes = b"simulated render failure"
     stream: bool | None = None
     times: int | None = None
+    delay_s: float = 0.0
 
 
 @dataclass
@@ -64,8 +66,10 @@ class RenderProxy:
 
     async def handle(self, request: Request) -> Response:
         body = await request.body()
-        # the gateway's capability probes pass untouched and unrecorded: faults are for requests
+        # the gateway's capability probes and the render pool's health renders pass untouched
+        # and unrecorded: faults are for requests
         probe = request.headers.get("user-agent") == "tito-capabilities"
+        probe = probe or request.headers.get("x-request-id") == "tito-render-health"
         fault = None if probe else self._fault_for(request.url.path, body)
         if not probe:
             self.calls.append(Call(request.url.path, fault.kind if fault else None))
@@ -73,6 +77,8 @@ class RenderProxy:
             return Response(fault.body, status_code=fault.status, media_type="application/json")
         if fault is not None and fault.kind == "stall":
             await asyncio.Event().wait()
+        if fault is not None and fault.kind == "delay":
+            await asyncio.sleep(fault.delay_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id")}
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
             upstream = await client.request(

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from ext_proc.config import RenderConfig
 from ext_proc.errors import GatewayError, normalize_error_body
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 
@@ -42,9 +41,11 @@ class Renderer(Protocol):
 
 
 class RenderClient:
-    def __init__(self, config: RenderConfig, http: httpx.AsyncClient) -> None:
-        self._base = config.endpoint.url
-        self._timeout = config.timeout_ms / 1000
+    """One render endpoint over HTTP (the pool, `render_pool.py`, balances several)."""
+
+    def __init__(self, url: str, timeout_ms: int, http: httpx.AsyncClient) -> None:
+        self._base = url
+        self._timeout = timeout_ms / 1000
         self._http = http
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:

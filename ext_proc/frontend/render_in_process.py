@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from ext_proc.config import ModelConfig
 from ext_proc.extras import PROCESSOR, require
 from ext_proc.frontend.render import rendered
+from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, install
 from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
 from render_sidecar.launch import model_flags
 
@@ -24,12 +25,14 @@ log = logging.getLogger("tito.render")
 
 
 class InProcessRender:
-    def __init__(self, serving: Any, args: Any) -> None:
+    def __init__(self, serving: Any, args: Any, prefix_cache: PrefixTokenCache | None = None) -> None:
         self._serving = serving
         self._args = args
+        self.prefix_cache = prefix_cache  # token ids per piece of chat text (None: off)
 
     @classmethod
-    async def load(cls, model: ModelConfig) -> InProcessRender:
+    async def load(cls, model: ModelConfig, prefix_cache: bool = False, max_ids: int = 2_000_000) -> InProcessRender:
+        """`prefix_cache`: tokenize chat text through the prefix cache (`render_prefix_cache.py`)."""
         require("render_config.mode: in_process (vLLM's renderer)", PROCESSOR, "vllm")
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs
@@ -51,7 +54,13 @@ class InProcessRender:
         )
         state = State()
         await init_render_app_state(vllm_config, state, args)
-        return cls(state.serving_render, args)
+        serving = state.serving_render
+        cache = None
+        if prefix_cache:
+            renderer = serving.online_renderer.renderer
+            cache = PrefixTokenCache(renderer.get_tokenizer(), max_ids)
+            install(renderer, cache)
+        return cls(serving, args, cache)
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         status, body = await self._answer(request.api, raw, request_id)

@@ -3,8 +3,9 @@
 The local tokenizer only guarantees prompt token ids for admission and scheduling. It cannot
 reproduce render's metadata (merged generation defaults, parser adjustments), so a locally
 tokenized request goes the native engine path, never as an incomplete token-only request.
-A render breaker skips render for a while after a transient failure; render's own verdicts
-on a request (400/422, unknown model) are never a reason to fall back.
+The render pool (`render_pool.py`) retries another endpoint and skips failed ones; only when
+no endpoint renders does the local tokenizer serve. Render's own verdicts on a request
+(400/422, unknown model) are never a reason to fall back.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
+from ext_proc.frontend.render import RenderUnavailable
+from ext_proc.frontend.render_pool import RenderPool
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import current
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from scheduler import CircuitBreaker
 
 log = logging.getLogger("tito.tokenization")
 
@@ -115,51 +116,23 @@ class LocalTokenizer:
 
 
 class TokenizationService:
-    def __init__(
-        self,
-        render: Renderer | None,
-        breaker: CircuitBreaker,
-        local: LocalTokenizer,
-        codec: TokenCodec | None = None,
-    ) -> None:
-        self._render = render  # None: render disabled in the config
-        self._breaker = breaker
+    def __init__(self, render: RenderPool | None, local: LocalTokenizer, codec: TokenCodec | None = None) -> None:
+        self.pool = render  # None: render disabled in the config
         self.local = local
         self.codec = codec  # token obfuscation: physical ids for the engines, and no fallback
         self.fallbacks: Counter[str] = Counter()
-        self.render_held_out: str | None = None  # why render is not used (its tokenizer disagrees)
-
-    @property
-    def renderer(self) -> Renderer | None:
-        return self._render
-
-    def hold_out_render(self, reason: str | None) -> None:
-        """Capability negotiation found render's tokenizer unlike the engines' (None: it agrees)."""
-        self.render_held_out = reason
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         started = time.perf_counter()
-        reason = "render_disabled" if self._render is None else self.render_held_out or "render_breaker_open"
-        if self._render is not None and self.render_held_out is None and self._breaker.allows(time.monotonic()):
-            self._breaker.on_dispatch()
-            try:
-                tokenized = await self._render.render(request, raw, request_id)
-            except RenderRejected:
-                self._breaker.record_success()  # render works; the request is wrong
-                raise
-            except RenderUnavailable as exc:
-                self._breaker.record_failure(time.monotonic())
-                reason = exc.reason
-                log.warning("render failed for %s (%s), falling back to the local tokenizer", request_id, exc)
-            except BaseException:
-                self._breaker.record_abandoned()
-                raise
-            else:
-                self._breaker.record_success()
-                if (record := current()) is not None:
-                    record.rendered(started, "render")
-                return tokenized if self.codec is None else self.codec.physical(tokenized)
-        return await self._fallback(request, request_id, reason, started)
+        if self.pool is None:
+            return await self._fallback(request, request_id, "render_disabled", started)
+        try:
+            tokenized = await self.pool.render(request, raw, request_id)
+        except RenderUnavailable as exc:  # every endpoint failed or is skipped (RenderRejected: raised)
+            return await self._fallback(request, request_id, exc.reason, started)
+        if (record := current()) is not None:
+            record.rendered(started, "render")
+        return tokenized if self.codec is None else self.codec.physical(tokenized)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:
         self.fallbacks[reason] += 1
@@ -182,9 +155,12 @@ class TokenizationService:
         return TokenizedRequest(request, prefix + request_id, [PromptTokens(ids)], tokenizer_source="local")
 
     def snapshot(self) -> dict[str, Any]:
+        pool = self.pool
+        held_out = pool is not None and all(m.held_out for m in pool.members)
         return {
-            "render_breaker": self._breaker.state.value,
-            "render_held_out": self.render_held_out,
+            "render_breaker": pool.state() if pool is not None else "open",
+            "render_held_out": "render_canary_mismatch" if held_out else None,
+            "render_endpoints": pool.snapshot() if pool is not None else {},
             "local_tokenizer_loaded": self.local.loaded,
             "fallbacks": dict(self.fallbacks),
         }

@@ -221,10 +221,8 @@ class Capabilities:
         self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name)
         self.engines: dict[str, EngineCapabilities | None] = {i.address: None for i in scheduler.instances}
         self.assessments: dict[str, Assessment] = {}
-        render = config.render_config
-        self._render_url = render.endpoint.url if render.mode == "sidecar" else None
-        self._render_name = self._render_url or "in_process"
-        self.renders: dict[str, RenderCapabilities | None] = {self._render_name: None} if render.enable else {}
+        pool = tokenization.pool
+        self.renders: dict[str, RenderCapabilities | None] = {m.name: None for m in pool.members} if pool else {}
         self.render_used: dict[str, bool] = {}
         self._reference: tuple[int, ...] | None = None  # the canary ids of the last decision
         self._due: dict[str, _Due] = {name: _Due() for name in [*self.renders, *self.engines]}
@@ -271,9 +269,9 @@ class Capabilities:
         failure = None
         try:
             if is_render:
-                renderer = self._tokenization.renderer
-                assert renderer is not None
-                record: Any = await self._prober.render(name, self._render_url, renderer, now)
+                assert self._tokenization.pool is not None
+                member = self._tokenization.pool.member(name)
+                record: Any = await self._prober.render(name, member.url, member.renderer, now)
             else:
                 record = await self._prober.engine(name, now)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the endpoint is probed again later
@@ -312,7 +310,8 @@ class Capabilities:
                 else:
                     log.error("render %s: tokenizer mismatch (its canary ids differ from the engines'); not used", name)
             self.render_used[name] = used
-        self._tokenization.hold_out_render(None if all(self.render_used.values()) else "render_canary_mismatch")
+            if self._tokenization.pool is not None:
+                self._tokenization.pool.hold_out(name, not used)
         native_allowed = not self._config.obfuscation.enable
         for pool in self._config.pools:
             for instance in pool.instances:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -98,8 +98,49 @@ class StateGauges(Collector):
             requests.add_metric([address], instance["active_requests"])
             breaker.add_metric([address], int(instance["breaker"] != "closed"))
         yield from (tokens, requests, breaker)
+        yield from _render_gauges(state["render_endpoints"])
         if "capabilities" in state:
             yield from _capability_gauges(state["capabilities"])
+
+
+def _render_gauges(endpoints: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The render pool's endpoints (every base model's): load, breaker and latency."""
+    families = {
+        "in_flight": GaugeMetricFamily("tito_render_in_flight", "renders in flight per endpoint", labels=["endpoint"]),
+        "outstanding_bytes": GaugeMetricFamily(
+            "tito_render_outstanding_bytes",
+            "request bytes queued on or rendering at each endpoint",
+            labels=["endpoint"],
+        ),
+        "breaker": GaugeMetricFamily(
+            "tito_render_breaker_open", "1 while the render endpoint's breaker is not closed", labels=["endpoint"]
+        ),
+        "p99_ms": GaugeMetricFamily(
+            "tito_render_p99_ms", "p99 of the endpoint's last 256 renders, milliseconds", labels=["endpoint"]
+        ),
+    }
+    cache: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        "lookups": CounterMetricFamily(
+            "tito_render_prefix_cache_lookups", "chat text pieces looked up in the prefix cache", labels=["endpoint"]
+        ),
+        "hits": CounterMetricFamily(
+            "tito_render_prefix_cache_hits", "chat text pieces whose ids the prefix cache held", labels=["endpoint"]
+        ),
+        "char_hit_rate": GaugeMetricFamily(
+            "tito_render_prefix_cache_char_hit_rate", "share of chat text the prefix cache served", labels=["endpoint"]
+        ),
+    }
+    for name, endpoint in endpoints.items():
+        for key, family in cache.items():
+            if "prefix_cache" in endpoint:
+                family.add_metric([name], endpoint["prefix_cache"][key])
+        families["in_flight"].add_metric([name], endpoint["in_flight"])
+        families["outstanding_bytes"].add_metric([name], endpoint["outstanding_bytes"])
+        families["breaker"].add_metric([name], int(endpoint["breaker"] != "closed"))
+        if endpoint["p99_ms"] is not None:
+            families["p99_ms"].add_metric([name], endpoint["p99_ms"])
+    yield from families.values()
+    yield from cache.values()
 
 
 CAPABILITY_LABELS = ("instance", "version", "token_only", "tokenizer", "block_size", "max_model_len", "path")
@@ -143,6 +184,12 @@ class Metrics:
 
         self.render_seconds = histogram(
             "tito_render_seconds", "tokenization: render, local_tokenizer or refused", ("source",), LATENCY_BUCKETS
+        )
+        self.render_endpoint_seconds = histogram(
+            "tito_render_endpoint_seconds",
+            "one render on one render endpoint, by outcome (ok, rejected, timeout, unavailable, ...)",
+            ("endpoint", "outcome"),
+            LATENCY_BUCKETS,
         )
         self.schedule_seconds = histogram("tito_schedule_seconds", "scheduling decision", (), FAST_BUCKETS)
         self.ttft_seconds = histogram(

@@ -48,6 +48,10 @@ class Observability:
         self.metrics.breaker_transitions.labels(instance, state).inc()
         stage("breaker", "-", logging.WARNING if state == "open" else logging.INFO, instance=instance, state=state)
 
+    def render_attempt(self, endpoint: str, seconds: float, outcome: str) -> None:
+        """One render on one endpoint of the render pool: ok, rejected or why it failed."""
+        self.metrics.render_endpoint_seconds.labels(endpoint, outcome).observe(seconds)
+
 
 class RequestRecord:
     def __init__(self, observability: Observability, request_id: str) -> None:
@@ -60,6 +64,8 @@ class RequestRecord:
         self.status: int | None = None
         self.code = ""
         self.prompt_tokens = 0
+        self.render_endpoint = ""  # the render pool's endpoint that rendered it
+        self.render_retried = ""  # the endpoint that failed it first, and why (endpoint/reason)
         self._matched: dict[str, int] = {}  # lease -> prompt tokens its instance held
         self.completion_tokens = 0
         self.stream_interval = 1  # tokens per engine event its engine streams were asked for
@@ -92,11 +98,15 @@ class RequestRecord:
         self._o.metrics.render_seconds.labels(source).observe(ended - started)
         if source == "local_tokenizer":
             self._o.metrics.render_fallbacks.labels(cause or "").inc()
+        latency = _ms(ended - started)
         if cause is None:
-            stage("render.ok", self.request_id, logging.DEBUG, latency_ms=_ms(ended - started))
+            level = logging.WARNING if self.render_retried else logging.DEBUG
+            retried = {"retried": self.render_retried} if self.render_retried else {}
+            stage("render.ok", self.request_id, level, endpoint=self.render_endpoint, **retried, latency_ms=latency)
         else:
-            stage(f"render.{source}", self.request_id, logging.WARNING, cause=cause, latency_ms=_ms(ended - started))
-        self._child("render", started, ended, **{"tito.source": source, "tito.fallback_cause": cause or ""})
+            stage(f"render.{source}", self.request_id, logging.WARNING, cause=cause, latency_ms=latency)
+        attributes = {"tito.source": source, "tito.fallback_cause": cause or "", "tito.endpoint": self.render_endpoint}
+        self._child("render", started, ended, **attributes)
 
     def scheduled(self, started: float, prompt_tokens: int) -> None:
         ended = time.perf_counter()

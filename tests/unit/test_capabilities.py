@@ -16,7 +16,7 @@ from ext_proc.legs.capabilities import (
     parse_tokenized,
 )
 from ext_proc.server import build_scheduler
-from scheduler import BreakerConfig, CircuitBreaker, KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
+from scheduler import KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
 from scheduler.capabilities import (
     EngineCapabilities,
     Expected,
@@ -214,7 +214,7 @@ async def test_a_failed_refresh_keeps_the_last_record_and_backs_off() -> None:
     engines, now = _Engines(), [100.0]
     engines.down.add("127.0.0.1:2")
     scheduler = build_scheduler(config, gated=True)
-    tokenization = TokenizationService(None, CircuitBreaker(BreakerConfig()), LocalTokenizer(None))
+    tokenization = TokenizationService(None, LocalTokenizer(None))
     async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
         capabilities = Capabilities(config, scheduler, tokenization, http, clock=lambda: now[0])
         await capabilities.refresh()

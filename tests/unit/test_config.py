@@ -87,3 +87,17 @@ def test_admission_budgets_are_split_between_every_processor_process() -> None:
     split = load_config(env={**env, "TITO__PROCESSOR__WORKERS": "2", "TITO__ADMISSION__REPLICAS": "3"})
     assert split.process_token_budgets == (1666, 500)  # 6 processes: their shares never exceed the budget
     assert load_config(env={"TITO__PROCESSOR__WORKERS": "2"}).process_token_budgets == (None, None)
+
+
+def test_the_render_pool_is_its_endpoints_or_replicas_from_the_first_port() -> None:
+    assert [e.address for e in load_config(env={}).render_config.pool()] == ["127.0.0.1:8100"]
+    replicas = load_config(env={"TITO__RENDER_CONFIG__REPLICAS": "3"}).render_config
+    assert [e.address for e in replicas.pool()] == ["127.0.0.1:8100", "127.0.0.1:8101", "127.0.0.1:8102"]
+    listed = load_config(
+        env={"TITO__RENDER_CONFIG__ENDPOINTS": "[{host: r1, port: 80}, {host: r2, port: 81, timeout_ms: 200}]"}
+    )
+    render = listed.render_config
+    assert [(e.address, e.timeout_ms) for e in render.pool()] == [("r1:80", None), ("r2:81", 200)]
+    assert render.endpoint.address == "r1:80"  # the first endpoint (derender's sidecar mode uses it)
+    with pytest.raises(ValidationError):
+        load_config(env={"TITO__RENDER_CONFIG__REPLICAS": "0"})
