@@ -2,8 +2,9 @@
 
 One `render` call of the pool is one client request's tokenization:
 - it goes to the endpoint with the least expected wait: the prompt bytes already outstanding
-  there plus this request's, times that endpoint's recent render latency (an endpoint that
-  renders twice as slowly gets half the traffic; an idle one is preferred to a busy one);
+  there plus this request's, times that endpoint's recent render latency (an idle endpoint
+  is preferred to a busy one, a fast one to a slow one); endpoints within a factor of 2 of
+  the least take turns, since latencies are noisy;
 - an endpoint that fails (connect error, timeout, 5xx, 429) counts a failure on its own breaker
   (never on an engine's) and the request is tried once more on another endpoint;
 - an endpoint whose breaker is open is skipped. When its cool-down ends, a tiny real render
@@ -44,6 +45,7 @@ LATENCY_WINDOW = 256  # renders per endpoint the p50/p99 are taken over
 SLOW_CHECK_S = 1.0  # how often an endpoint's p99 is compared with its budget
 SLOW_WARN_S = 30.0  # and how often a slow endpoint is warned about
 EWMA_ALPHA = 0.2
+COMPARABLE = 2.0  # expected waits within this factor of the least count as equal (round robin)
 HEALTH_REQUEST_ID = "tito-render-health"  # the request id of a health render (proxies let it pass)
 
 
@@ -152,7 +154,10 @@ class RenderPool:
         if closed:
             measured = [m.latency_s for m in self.members if m.latency_s > 0]
             unmeasured_s = sum(measured) / len(measured) if measured else 0.0
-            return min(closed, key=lambda m: m.expected_wait(request_bytes, unmeasured_s))
+            waits = [m.expected_wait(request_bytes, unmeasured_s) for m in closed]
+            # Latencies are noisy: endpoints within COMPARABLE of the best take turns.
+            best = min(waits)
+            return next(m for m, wait in zip(closed, waits, strict=True) if wait <= COMPARABLE * best)
         return next((m for m in candidates if m.breaker.allows(now)), None)
 
     async def _attempt(

@@ -30,7 +30,7 @@ from tests.render_proxy import RenderFault, RenderProxy, RenderProxyServer
 
 def _chat(base_url: str, i: int, stream: bool = False) -> int:
     body = {
-        "model": "tiny-qwen3",
+        "model": "tiny",  # the served name of the stack and of the slow pool's gateway
         "messages": [{"role": "user", "content": f"request {i}: " + "words " * (20 + 7 * (i % 5))}],
         "max_tokens": 4,
         "stream": stream,

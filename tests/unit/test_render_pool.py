@@ -66,6 +66,14 @@ def test_concurrent_renders_spread_over_idle_endpoints() -> None:
     assert all(m.in_flight == 0 and m.outstanding_bytes == 0 for m in pool.members)
 
 
+def test_endpoints_of_about_the_same_speed_take_turns_one_request_at_a_time() -> None:
+    a, b = Scripted(delay_s=0.004), Scripted(delay_s=0.006)  # noise, not a slow endpoint
+    pool = _pool(a, b)
+    for i in range(10):
+        _render(pool, f"r{i}")
+    assert (len(a.calls), len(b.calls)) == (5, 5)
+
+
 def test_a_slower_endpoint_gets_less_traffic_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     fast, slow = Scripted(delay_s=0.002), Scripted(delay_s=0.05)
     pool = _pool(fast, slow, budget_ms=20)

@@ -182,6 +182,17 @@ def renders() -> Iterator[tuple[Any, Any]]:
     yield asyncio.run(load())
 
 
+def _openai(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as an OpenAI client sends it: tool call arguments as a JSON string."""
+    if "tool_calls" not in message:
+        return message
+    calls = [
+        {**c, "function": {**c["function"], "arguments": orjson.dumps(c["function"]["arguments"]).decode()}}
+        for c in message["tool_calls"]
+    ]
+    return {**message, "tool_calls": calls}
+
+
 def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any, Any]) -> None:
     cached, plain = renders
     rng = random.Random(11)
@@ -189,7 +200,7 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
     bodies = []
     for n in range(300):
         messages, kwargs = conversation(rng, shared)
-        body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8}
+        body: dict[str, Any] = {"model": "tiny", "messages": [_openai(m) for m in messages], "max_tokens": 8}
         if "tools" in kwargs:
             body["tools"] = kwargs.pop("tools")
         body |= {k: kwargs.pop(k) for k in ("add_generation_prompt", "continue_final_message") if k in kwargs}
