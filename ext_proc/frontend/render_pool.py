@@ -227,10 +227,11 @@ class RenderPool:
             await asyncio.sleep(interval_s)
 
     async def probe(self, member: RenderMember) -> bool:
-        """One tiny completion rendered on `member`: its breaker closes on success."""
+        """One tiny completion rendered on `member`: its breaker closes on success, and opens
+        for another cool-down on failure. It takes no probe slot: a client request that comes
+        meanwhile may try the endpoint too, rather than fall back to the local tokenizer."""
         if not member.breaker.allows(self._clock()):
             return False
-        member.breaker.on_dispatch()
         request = OpenAIRequest(ApiKind.COMPLETIONS, orjson.loads(self._probe_body))
         try:
             await member.renderer.render(request, self._probe_body, HEALTH_REQUEST_ID)

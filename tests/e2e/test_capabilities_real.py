@@ -111,6 +111,6 @@ def test_tito_engines_shows_both_records(mixed_engines: RunningStack, tmp_path: 
     assert "token-only generate live" in lines[scale_out] and lines[scale_out].endswith("-> routes token-only")
     assert "token-only generate disabled" in lines[plain] and lines[plain].endswith("-> routes natively")
     assert "vLLM 0.32.0, serves tiny" in lines[plain] and "tokenizer agrees" in lines[plain]
-    render = mixed_engines.config.render_config.endpoint.url
+    render = mixed_engines.config.render_config.endpoint.address  # a render endpoint is named host:port
     assert lines[render + ":"].endswith("tokenizer agrees -> used")
     assert httpx.get(mixed_engines.admin_urls[0] + "/ready", timeout=5, trust_env=False).status_code == 200
