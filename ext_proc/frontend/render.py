@@ -72,7 +72,11 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
         raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
     if status != 200:
         raise RenderUnavailable("unavailable", f"HTTP {status}")
-    return _tokenized(request, body)
+    try:
+        parsed: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RenderUnavailable("invalid_response", "render returned invalid JSON") from exc
+    return tokenized(request, parsed)
 
 
 def _is_openai_error(body: bytes) -> bool:
@@ -83,19 +87,14 @@ def _is_openai_error(body: bytes) -> bool:
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
-def _tokenized(request: OpenAIRequest, body: bytes) -> TokenizedRequest:
-    try:
-        parsed: Any = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise RenderUnavailable("invalid_response", "render returned invalid JSON") from exc
+def tokenized(request: OpenAIRequest, parsed: Any) -> TokenizedRequest:
+    """Render's 200 answer (its JSON, parsed) as a TokenizedRequest, or `RenderUnavailable`."""
     generate_requests = parsed if isinstance(parsed, list) else [parsed]
     prompts = []
     for item in generate_requests:
         if not (
             isinstance(item, dict)
-            and isinstance(item.get("token_ids"), list)
-            and item["token_ids"]
-            and all(isinstance(t, int) and t >= 0 for t in item["token_ids"])
+            and _token_ids(item.get("token_ids"))
             and isinstance(item.get("sampling_params"), dict)
             and isinstance(item.get("request_id"), str)
         ):
@@ -104,6 +103,12 @@ def _tokenized(request: OpenAIRequest, body: bytes) -> TokenizedRequest:
     if not prompts:
         raise RenderUnavailable("invalid_response", "render returned no prompts")
     return TokenizedRequest(request=request, request_id=_response_id(generate_requests), prompts=prompts)
+
+
+def _token_ids(ids: Any) -> bool:
+    """A non-empty list of non-negative ints (no bools). Checked in C (`map`, `min`): a
+    prompt has thousands of ids, and a loop in Python cost 0.3 ms per request."""
+    return isinstance(ids, list) and bool(ids) and set(map(type, ids)) == {int} and min(ids) >= 0
 
 
 def _response_id(generate_requests: list[dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from ext_proc.config import ModelConfig
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.render import rendered
+from ext_proc.frontend.render import rendered, tokenized
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, install
 from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
 from render_sidecar.launch import model_flags
@@ -63,11 +63,24 @@ class InProcessRender:
         return cls(serving, args, cache)
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
-        status, body = await self._answer(request.api, raw, request_id)
-        return rendered(request, status, body)
+        status, answer = await self._result(request.api, raw, request_id)
+        if isinstance(answer, bytes):
+            return rendered(request, status, answer)
+        # vLLM's GenerateRequest(s) as the JSON the sidecar would send, without writing and
+        # parsing that JSON (0.2 ms per request)
+        return tokenized(request, _dumped(answer, mode="json"))
 
     async def _answer(self, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, bytes]:
         """(status, body) as the sidecar's route would answer."""
+        from fastapi.responses import JSONResponse
+
+        status, answer = await self._result(api, raw, request_id)
+        if isinstance(answer, bytes):
+            return status, answer
+        return status, bytes(JSONResponse(content=_dumped(answer, mode="python")).body)
+
+    async def _result(self, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, Any]:
+        """(status, error body) as the sidecar's route would answer, or (200, what vLLM rendered)."""
         from fastapi.responses import JSONResponse
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -92,8 +105,7 @@ class InProcessRender:
             return response.status_code, bytes(response.body)
         if isinstance(result, ErrorResponse):
             return result.error.code, bytes(JSONResponse(content=result.model_dump()).body)
-        content = result.model_dump() if chat else [item.model_dump() for item in result]
-        return 200, bytes(JSONResponse(content=content).body)
+        return 200, result
 
     async def _invalid(self, exc: ValidationError) -> tuple[int, bytes]:
         """vLLM's own 400 for a request its models refuse (FastAPI locates errors in `body`)."""
@@ -109,3 +121,10 @@ class InProcessRender:
         gets, and the server's args (for its error handlers)."""
         app = SimpleNamespace(state=SimpleNamespace(args=self._args))
         return SimpleNamespace(headers={"X-Request-Id": request_id}, app=app, state=SimpleNamespace())
+
+
+def _dumped(result: Any, mode: str) -> Any:
+    """A chat render's GenerateRequest, or a completion render's list of them, as plain data."""
+    if isinstance(result, list):
+        return [item.model_dump(mode=mode) for item in result]
+    return result.model_dump(mode=mode)

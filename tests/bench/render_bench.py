@@ -61,18 +61,22 @@ TARGET_CACHED = 0.5  # in-process render CPU per multi-turn request, cached over
 CITIES = ["Lisbon", "Kyoto", "Nairobi", "Quito", "Oslo", "Hanoi", "Tunis", "Perth"]
 
 
-def workload(n: int, model: str) -> list[bytes]:
-    """`n` chat bodies: conversations of up to 6 turns, each request one of them up to a turn."""
+def workload(n: int, model: str, first: int = 0) -> list[bytes]:
+    """`n` chat bodies: conversations (numbered from `first`, so another run's are new to the
+    cache) of up to 6 turns, each request one of them up to a turn. Per request, what the
+    cache has not seen is the assistant's last answer and the new user turn."""
     bodies = []
-    conversation = 0
+    conversation = first
     while len(bodies) < n:
         city = CITIES[conversation % len(CITIES)]
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
         for turn in range(6):
-            messages.append({"role": "user", "content": f"Turn {turn}: plan day {turn + 1} in {city}, please."})
+            ask = f"Trip {conversation}, turn {turn}: plan day {turn + 1} in {city}, please."
+            messages.append({"role": "user", "content": ask})
             body = {"model": model, "messages": list(messages), "tools": TOOLS, "max_tokens": 16}
             bodies.append(orjson.dumps(body))
-            messages.append({"role": "assistant", "content": f"Day {turn + 1} in {city}: a walk, a museum, dinner."})
+            answer = f"Trip {conversation}, day {turn + 1} in {city}: a walk, a museum, dinner."
+            messages.append({"role": "assistant", "content": answer})
         conversation += 1
     return bodies[:n]
 
@@ -173,7 +177,6 @@ async def in_process(model: ModelConfig, options: argparse.Namespace) -> list[st
     from ext_proc.frontend.render_in_process import InProcessRender
 
     renderers = {"uncached": await InProcessRender.load(model), "cached": await InProcessRender.load(model, True)}
-    bodies = workload(options.requests, model.served_name)
 
     def render_with(renderer: InProcessRender) -> Callable[[bytes], Awaitable[Any]]:
         async def render(raw: bytes) -> Any:
@@ -181,10 +184,11 @@ async def in_process(model: ModelConfig, options: argparse.Namespace) -> list[st
 
         return render
 
-    for renderer in renderers.values():
-        await cpu_per_request(render_with(renderer), bodies[:32])  # warm (and the cache's first pieces)
+    for renderer in renderers.values():  # warm, on conversations of their own
+        await cpu_per_request(render_with(renderer), workload(32, model.served_name, first=10**6))
     runs: dict[str, list[float]] = {name: [] for name in renderers}
-    for name in ["uncached", "cached", "cached", "uncached"] * options.rounds:
+    for n, name in enumerate(["uncached", "cached", "cached", "uncached"] * options.rounds):
+        bodies = workload(options.requests, model.served_name, first=1000 * n)  # new to the cache
         runs[name].append(await cpu_per_request(render_with(renderers[name]), bodies))
     cpu = {name: statistics.median(values) for name, values in runs.items()}
     cache = renderers["cached"].prefix_cache

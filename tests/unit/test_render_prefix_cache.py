@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from ext_proc.config import ModelConfig
+from ext_proc.errors import GatewayError
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, boundary_pattern, pieces, uncached_ids
 from ext_proc.protocol import ApiKind, OpenAIRequest
 from tests.conftest import missing
@@ -216,5 +217,17 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
     assert [s for s, _ in with_cache].count(200) > 250
     assert with_cache == without
     assert cached.prefix_cache is not None and cached.prefix_cache.snapshot()["hits"] > 0
-    request = OpenAIRequest(ApiKind.CHAT, orjson.loads(bodies[1]))
-    assert asyncio.run(cached.render(request, bodies[1], "x")).prompts[0].token_ids
+
+    async def rendered(render: Any) -> list[Any]:  # the fast path: no JSON written and read back
+        out = []
+        for i, raw in enumerate(bodies):
+            try:
+                tokenized = await render.render(OpenAIRequest(ApiKind.CHAT, orjson.loads(raw)), raw, f"r{i}")
+            except GatewayError as exc:
+                out.append(exc.status)
+            else:
+                out.append([p.generate_request for p in tokenized.prompts])
+        return out
+
+    sidecar_shaped = [[orjson.loads(body)] if status == 200 else status for status, body in without]
+    assert asyncio.run(rendered(cached)) == asyncio.run(rendered(plain)) == sidecar_shaped
