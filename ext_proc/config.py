@@ -167,7 +167,7 @@ class RenderConfig(_Strict):
     p99_budget_ms: float = 1000.0
     # in_process: chat text tokenized per piece between special tokens, each piece once
     # (`ext_proc/frontend/render_prefix_cache.py`; byte-identical, fuzzed in `make test`)
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     prefix_cache_max_ids: int = 2_000_000  # token ids it holds (about 60 bytes each)
     renderer_num_workers: int = 4
     image_name: str = "vllm/vllm-openai:v0.32.0"
