@@ -127,8 +127,7 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
         from ext_proc.frontend.render_in_process import InProcessRender
 
         renderer = await InProcessRender.load(config.model, render.prefix_cache, render.prefix_cache_max_ids)
-        members = [pool_member("in_process", None, renderer, cooldown)]
-        members[0].prefix_cache = renderer.prefix_cache
+        members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
         members = [
             pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms, http), cooldown)

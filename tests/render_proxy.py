@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ext_proc.frontend.render_pool import HEALTH_REQUEST_ID
 from tests.servers import ThreadedServer
 
 
@@ -69,7 +70,7 @@ class RenderProxy:
         # the gateway's capability probes and the render pool's health renders pass untouched
         # and unrecorded: faults are for requests
         probe = request.headers.get("user-agent") == "tito-capabilities"
-        probe = probe or request.headers.get("x-request-id") == "tito-render-health"
+        probe = probe or request.headers.get("x-request-id") == HEALTH_REQUEST_ID
         fault = None if probe else self._fault_for(request.url.path, body)
         if not probe:
             self.calls.append(Call(request.url.path, fault.kind if fault else None))

@@ -265,7 +265,9 @@ class RenderPool:
         return {m.name: m.snapshot() for m in self.members}
 
 
-def pool_member(name: str, url: str | None, renderer: Renderer, cooldown_s: float) -> RenderMember:
+def pool_member(
+    name: str, url: str | None, renderer: Renderer, cooldown_s: float, prefix_cache: PrefixTokenCache | None = None
+) -> RenderMember:
     """A member whose breaker opens on its first failure and stays open `cooldown_s`."""
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, base_cooldown_s=cooldown_s, max_cooldown_s=cooldown_s))
-    return RenderMember(name, url, renderer, breaker)
+    return RenderMember(name, url, renderer, breaker, prefix_cache=prefix_cache)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 ENCODE_KWARGS = frozenset({"add_special_tokens", "truncation", "max_length"})
@@ -127,9 +127,3 @@ def install(renderer: Any, cache: PrefixTokenCache) -> None:
     from vllm.utils.async_utils import make_async
 
     renderer._tokenize_prompt_async = make_async(cached_tokenize(renderer, cache), executor=renderer._executor)
-
-
-def uncached_ids(tokenizer: Any, text: str) -> Sequence[int]:
-    """The reference: what vLLM's renderer computes for chat text."""
-    ids: Sequence[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids

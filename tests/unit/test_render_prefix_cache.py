@@ -22,7 +22,7 @@ import pytest
 
 from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, boundary_pattern, pieces, uncached_ids
+from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, boundary_pattern, pieces
 from ext_proc.protocol import ApiKind, OpenAIRequest
 from tests.conftest import missing
 
@@ -61,6 +61,11 @@ TOOLS = [
     ]
     for names in (["get_weather"], ["search_hotels", "search_flights"])
 ]
+
+
+def uncached_ids(tokenizer: Any, text: str) -> list[int]:
+    """The reference: what vLLM's renderer computes for chat text."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @pytest.fixture(scope="module")
