@@ -169,6 +169,9 @@ class RenderConfig(_Strict):
     # (`ext_proc/frontend/render_prefix_cache.py`; byte-identical, fuzzed in `make test`)
     prefix_cache: bool = True
     prefix_cache_max_ids: int = 2_000_000  # token ids it holds (about 60 bytes each)
+    # in_process: each distinct reasoning/tool parser built once, not twice per chat render
+    # (`ext_proc/frontend/render_parser_cache.py`; checked against fresh parsers in `make test`)
+    reuse_parsers: bool = True
     renderer_num_workers: int = 4
     image_name: str = "vllm/vllm-openai:v0.32.0"
 

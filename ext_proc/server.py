@@ -126,7 +126,9 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
     if render.mode == "in_process":
         from ext_proc.frontend.render_in_process import InProcessRender
 
-        renderer = await InProcessRender.load(config.model, render.prefix_cache, render.prefix_cache_max_ids)
+        renderer = await InProcessRender.load(
+            config.model, render.prefix_cache, render.prefix_cache_max_ids, render.reuse_parsers
+        )
         members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
         members = [

@@ -16,8 +16,10 @@ from pydantic import ValidationError
 
 from ext_proc.config import ModelConfig
 from ext_proc.extras import PROCESSOR, require
+from ext_proc.frontend import render_parser_cache, render_prefix_cache
 from ext_proc.frontend.render import rendered, tokenized
-from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, install
+from ext_proc.frontend.render_parser_cache import ReusedParsers
+from ext_proc.frontend.render_prefix_cache import PrefixTokenCache
 from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
 from render_sidecar.launch import model_flags
 
@@ -25,14 +27,24 @@ log = logging.getLogger("tito.render")
 
 
 class InProcessRender:
-    def __init__(self, serving: Any, args: Any, prefix_cache: PrefixTokenCache | None = None) -> None:
+    def __init__(
+        self,
+        serving: Any,
+        args: Any,
+        prefix_cache: PrefixTokenCache | None = None,
+        parsers: ReusedParsers | None = None,
+    ) -> None:
         self._serving = serving
         self._args = args
         self.prefix_cache = prefix_cache  # token ids per piece of chat text (None: off)
+        self.parsers = parsers  # parsers built once per distinct construction (None: off)
 
     @classmethod
-    async def load(cls, model: ModelConfig, prefix_cache: bool = False, max_ids: int = 2_000_000) -> InProcessRender:
-        """`prefix_cache`: tokenize chat text through the prefix cache (`render_prefix_cache.py`)."""
+    async def load(
+        cls, model: ModelConfig, prefix_cache: bool = False, max_ids: int = 2_000_000, reuse_parsers: bool = False
+    ) -> InProcessRender:
+        """`prefix_cache`: tokenize chat text through the prefix cache (`render_prefix_cache.py`);
+        `reuse_parsers`: build each distinct parser once (`render_parser_cache.py`)."""
         require("render_config.mode: in_process (vLLM's renderer)", PROCESSOR, "vllm")
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs
@@ -59,8 +71,9 @@ class InProcessRender:
         if prefix_cache:
             renderer = serving.online_renderer.renderer
             cache = PrefixTokenCache(renderer.get_tokenizer(), max_ids)
-            install(renderer, cache)
-        return cls(serving, args, cache)
+            render_prefix_cache.install(renderer, cache)
+        parsers = render_parser_cache.install(serving.online_renderer) if reuse_parsers else None
+        return cls(serving, args, cache, parsers)
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         status, answer = await self._result(request.api, raw, request_id)

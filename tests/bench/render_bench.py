@@ -9,8 +9,9 @@ pool client.
 Printed:
 - sidecar, 1 and 2 endpoints, at --concurrency: renders/s and p50/p99 latency, medians over
   --rounds interleaved runs (ABBA), and the ratio of 2 endpoints over 1;
-- in process: CPU per request without and with the prefix cache (medians of interleaved runs),
-  their ratio against the target of 0.5, and the cache's hit rate.
+- in process: CPU per request uncached, with the prefix cache, and with the prefix cache and
+  parsers reused (medians of interleaved runs); the last over the first against the target of
+  0.5; the cache's hit rate and how often parsers were reused.
 
 Run: `python -m tests.bench.render_bench [--requests 256] [--concurrency 8] [--rounds 2]`.
 """
@@ -173,10 +174,15 @@ async def cpu_per_request(render: Callable[[bytes], Awaitable[Any]], bodies: lis
 
 
 async def in_process(model: ModelConfig, options: argparse.Namespace) -> list[str]:
-    """CPU per request of in-process render without and with the prefix cache, interleaved."""
+    """CPU per request of in-process render: plain, with the prefix cache, and with the prefix
+    cache and parsers reused (what `tito` runs by default), interleaved."""
     from ext_proc.frontend.render_in_process import InProcessRender
 
-    renderers = {"uncached": await InProcessRender.load(model), "cached": await InProcessRender.load(model, True)}
+    renderers = {
+        "uncached": await InProcessRender.load(model),
+        "prefix cache": await InProcessRender.load(model, prefix_cache=True),
+        "cached": await InProcessRender.load(model, prefix_cache=True, reuse_parsers=True),
+    }
 
     def render_with(renderer: InProcessRender) -> Callable[[bytes], Awaitable[Any]]:
         async def render(raw: bytes) -> Any:
@@ -187,20 +193,25 @@ async def in_process(model: ModelConfig, options: argparse.Namespace) -> list[st
     for renderer in renderers.values():  # warm, on conversations of their own
         await cpu_per_request(render_with(renderer), workload(32, model.served_name, first=10**6))
     runs: dict[str, list[float]] = {name: [] for name in renderers}
-    for n, name in enumerate(["uncached", "cached", "cached", "uncached"] * options.rounds):
+    order = list(renderers) + list(reversed(renderers))
+    for n, name in enumerate(order * options.rounds):
         bodies = workload(options.requests, model.served_name, first=1000 * n)  # new to the cache
         runs[name].append(await cpu_per_request(render_with(renderers[name]), bodies))
     cpu = {name: statistics.median(values) for name, values in runs.items()}
     cache = renderers["cached"].prefix_cache
-    assert cache is not None
+    parsers = renderers["cached"].parsers
+    assert cache is not None and parsers is not None
     stats = cache.snapshot()
     ratio = cpu["cached"] / cpu["uncached"]
     verdict = "meets" if ratio <= TARGET_CACHED else "misses"
     return [
-        f"{'in process, uncached':<22} {cpu['uncached']:7.2f} ms CPU per request",
-        f"{'in process, cached':<22} {cpu['cached']:7.2f} ms CPU per request",
-        f"prefix cache: x{ratio:.2f} CPU per request ({verdict} the target x{TARGET_CACHED}); hit rate "
-        f"{stats['hit_rate']:.0%} of pieces, {stats['char_hit_rate']:.0%} of characters",
+        f"{'in process, uncached':<40} {cpu['uncached']:7.2f} ms CPU per request",
+        f"{'in process, prefix cache':<40} {cpu['prefix cache']:7.2f} ms CPU per request "
+        f"(x{cpu['prefix cache'] / cpu['uncached']:.2f})",
+        f"{'in process, prefix cache, parsers reused':<40} {cpu['cached']:7.2f} ms CPU per request",
+        f"cached: x{ratio:.2f} CPU per request ({verdict} the target x{TARGET_CACHED}); prefix cache hit rate "
+        f"{stats['hit_rate']:.0%} of pieces, {stats['char_hit_rate']:.0%} of characters; "
+        f"parsers built {parsers.built}, reused {parsers.reused}",
     ]
 
 

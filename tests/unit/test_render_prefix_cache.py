@@ -173,7 +173,7 @@ def test_the_cache_is_bounded_by_the_ids_it_holds(tokenizer: Any) -> None:
 
 @pytest.fixture(scope="module")
 def renders() -> Iterator[tuple[Any, Any]]:
-    """In-process render twice: with the prefix cache and without."""
+    """In-process render twice: with the prefix cache and parsers reused, and without either."""
     try:
         from ext_proc.frontend.render_in_process import InProcessRender
         from ext_proc.tools.tiny_model import ensure_tiny_model
@@ -183,7 +183,9 @@ def renders() -> Iterator[tuple[Any, Any]]:
     model = ModelConfig(path=path, **PARSERS)
 
     async def load() -> tuple[Any, Any]:
-        return await InProcessRender.load(model, prefix_cache=True), await InProcessRender.load(model)
+        return await InProcessRender.load(model, prefix_cache=True, reuse_parsers=True), await InProcessRender.load(
+            model
+        )
 
     yield asyncio.run(load())
 
@@ -222,6 +224,8 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
     assert [s for s, _ in with_cache].count(200) > 250
     assert with_cache == without
     assert cached.prefix_cache is not None and cached.prefix_cache.snapshot()["hits"] > 0
+    # parsers were reused, and built anew for other tools or thinking switches
+    assert cached.parsers is not None and cached.parsers.reused > 250 and cached.parsers.built > 10
 
     async def rendered(render: Any) -> list[Any]:  # the fast path: no JSON written and read back
         out = []
