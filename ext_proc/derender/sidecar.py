@@ -300,6 +300,7 @@ class SidecarStream:
         self._top_logprobs = body.get("top_logprobs")
         self._completion_top = _completion_logprobs(request)
         self._logprob_context: dict[int, list[int]] = {}
+        self._opened: set[int] = set()  # chat choices whose role chunk went out
         self.completion_tokens = 0
 
     async def steps(self, events: list[tuple[dict[str, Any], bytes]]) -> bytes:
@@ -342,7 +343,13 @@ class SidecarStream:
             chunk = _without_nulls(chunk)
             if self._events is not None and isinstance(chunk.get("usage"), dict):
                 chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": await self._reasoning_tokens()}
-        return sse_event(orjson.dumps(chunk))
+        if self._request.api is ApiKind.CHAT and index >= 0:
+            _engine_finish(chunk, choices[0].get("finish_reason"))
+        opening = b""
+        if self._request.api is ApiKind.CHAT and index >= 0 and index not in self._opened:
+            self._opened.add(index)
+            opening = sse_event(orjson.dumps(_role_chunk(chunk)))
+        return opening + sse_event(orjson.dumps(chunk))
 
     async def _reasoning_tokens(self) -> int:
         assert self._events is not None
@@ -389,6 +396,34 @@ class SidecarStream:
         if self._client.prompt_ids_every_call or self._states.get(index) is None:
             body += self._prompt_ids
         return body + self._static
+
+
+def _engine_finish(chunk: dict[str, Any], engine_finish: Any) -> None:
+    """Native streams `tool_calls` for a called tool only when the engine stopped; vLLM 0.32's
+    derender also when it ran out of tokens (`length`), which native keeps."""
+    for choice in chunk.get("choices") or ():
+        if choice.get("finish_reason") == "tool_calls" and engine_finish not in (None, "stop"):
+            choice["finish_reason"] = engine_finish
+
+
+def _role_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A choice's first chunk as native sends it: the role alone (vLLM 0.32's /derender puts
+    it on the first token's delta, which a client that skips the role chunk, as vLLM's own
+    Messages converter does, would lose). The delta it came on goes on without it."""
+    choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    role = delta.pop("role", None) or "assistant"
+    opening = {
+        **chunk,
+        "choices": [
+            {"index": choice["index"], "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
+    }
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):  # continuous usage: nothing generated yet
+        prompt = usage.get("prompt_tokens", 0)
+        opening["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
+    return opening
 
 
 def _coalesce(events: list[tuple[dict[str, Any], bytes]]) -> list[tuple[dict[str, Any], bytes]]:

@@ -75,8 +75,12 @@ async def test_each_choice_keeps_its_own_state_and_seed() -> None:
     events = _events(out)
     assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
     chunks = [orjson.loads(e) for e in events[:-1]]
-    assert [c["id"] for c in chunks] == ["chatcmpl-x"] * 4  # not generate-tokens-…
-    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["t5", "t6", "t7", "t8"]
+    assert [c["id"] for c in chunks] == ["chatcmpl-x"] * 6  # not generate-tokens-…
+    # each choice opens with the role alone, as native does (vLLM 0.32's derender puts it on the first token)
+    roles = [c["choices"][0] for c in chunks if "role" in c["choices"][0]["delta"]]
+    assert [(c["index"], c["delta"]) for c in roles] == [(i, {"role": "assistant", "content": ""}) for i in (0, 1)]
+    content = [c["choices"][0]["delta"]["content"] for c in chunks if "role" not in c["choices"][0]["delta"]]
+    assert content == ["t5", "t6", "t7", "t8"]
 
 
 async def test_done_is_added_when_the_engine_stream_just_ends() -> None:
@@ -92,9 +96,9 @@ async def test_inband_engine_error_ends_the_stream() -> None:
     error = b'data: {"error": {"message": "engine core died", "code": 500}}\n\n'
     out = await pipeline.feed(_event(0, 5) + error + _event(0, 6) + b"data: [DONE]\n\n")
     out += await pipeline.finish()
-    events = _events(out)
-    assert orjson.loads(events[1])["error"]["message"] == "engine core died"
-    assert events[2:] == [b"[DONE]"]
+    events = _events(out)  # the role, t5, the error
+    assert orjson.loads(events[2])["error"]["message"] == "engine core died"
+    assert events[3:] == [b"[DONE]"]
     assert len(fake.requests) == 1  # the error event and what followed never reached derender
 
 
@@ -122,9 +126,9 @@ async def test_derender_failure_does_not_advance_the_state() -> None:
     out = b""
     for token in (5, 6, 7):  # one event at a time: nothing to coalesce
         out += await pipeline.feed(_event(0, token))
-    events = _events(out + await pipeline.finish())
-    assert orjson.loads(events[1])["error"]["code"] == "derender_rejected"
-    assert events[2:] == [b"[DONE]"]
+    events = _events(out + await pipeline.finish())  # the role, t5, the error
+    assert orjson.loads(events[2])["error"]["code"] == "derender_rejected"
+    assert events[3:] == [b"[DONE]"]
     assert len(fake.requests) == 2
     assert session._states == {0: {"calls": 1}}
 
@@ -155,7 +159,7 @@ async def test_events_waiting_together_are_one_step_per_choice() -> None:
         for r in fake.requests
     ]
     assert steps == [[(0, [5, 6], None)], [(1, [7], None)], [(0, [8, 9], "length")], [(0, [10], None)]]
-    assert len(_events(out)) == 4
+    assert len(_events(out)) == 4 + 2  # and each choice's role chunk
 
 
 def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
