@@ -192,7 +192,8 @@ def tito_up(work: Path, config: TitoConfig, env: dict[str, str] | None = None) -
 
     threading.Thread(target=pump, daemon=True).start()
     if not ready.wait(config.local.startup_timeout_s + 60) or process.poll() is not None:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited by itself
+            os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("tito up did not come up:\n" + "\n".join(running.output[-40:]))
     yield running
     process.send_signal(signal.SIGTERM)
