@@ -15,7 +15,8 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, omitted from render ou
 
 
 class ApiKind(enum.Enum):
-    """An OpenAI API the gateway renders; anything else goes to the engine untouched."""
+    """An OpenAI API the gateway renders (Anthropic Messages are chat inside the gateway);
+    anything else goes to the engine untouched."""
 
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
@@ -36,7 +37,17 @@ class ApiKind(enum.Enum):
     @classmethod
     def from_handler(cls, handler: str) -> ApiKind | None:
         """The API of a public route's handler (`listener.routes`), if tito renders it."""
-        return {"chat": cls.CHAT, "completions": cls.COMPLETIONS}.get(handler)
+        chat, completions = cls.CHAT, cls.COMPLETIONS
+        return {"chat": chat, "completions": completions, "messages": chat, "messages_count_tokens": chat}.get(handler)
+
+
+class ApiFamily(enum.Enum):
+    """The API the client speaks. Anthropic Messages requests are chat requests inside the
+    gateway (as in native vLLM): converted at the door, their answers converted on the way
+    out (`frontend/anthropic_messages.py`)."""
+
+    OPENAI = "openai"
+    MESSAGES = "messages"
 
 
 # Client fields that would let a client steer engines (P/D transfer, engine-side extra args,
@@ -64,6 +75,7 @@ class OpenAIRequest:
     api: ApiKind
     body: dict[str, Any]
     adapter: Adapter | None = None
+    family: ApiFamily = ApiFamily.OPENAI  # the client's API (MESSAGES: `body` is its chat request)
 
     @property
     def model(self) -> str | None:
@@ -102,7 +114,7 @@ class OpenAIRequest:
         return self.adapter.name if self.adapter is not None else served_name
 
     def kept(self) -> OpenAIRequest:
-        return OpenAIRequest(self.api, self.engine_body(), self.adapter)
+        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family)
 
 
 @dataclass

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.anthropic_messages import MessagesFrontend, anthropic_error, family_of
 from ext_proc.frontend.model_catalog import models_body, not_found
 from ext_proc.frontend.openai_api import parse_body
 from ext_proc.frontend.tokenization import TokenizationService
@@ -29,7 +31,7 @@ from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner, token_only_required
-from ext_proc.protocol import ApiKind
+from ext_proc.protocol import ApiFamily, ApiKind
 from scheduler import Scheduler
 
 
@@ -61,8 +63,10 @@ class Services:
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     process: ProcessState = field(default_factory=ProcessState)
+    messages: MessagesFrontend = field(init=False)  # Anthropic Messages, converted to chat
 
     def __post_init__(self) -> None:
+        self.messages = MessagesFrontend(self.tokenization.pool, self.config.model.served_name)
         if not self.process.bases:  # a one-model gateway (and the first base of a catalog)
             self.process.bases.append(self)
 
@@ -80,14 +84,42 @@ class Services:
                 return base
         raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
 
-    async def plan(self, api: ApiKind, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
+    async def plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
         """The request's base model (its services serve it from here on) and its plan."""
+        api = ApiKind.from_handler(handler)
+        assert api is not None
         try:
             body = parse_body(content_type, raw)
+        except GatewayError as error:
+            return self, Local(error.status, error.body)
+        if family_of(handler) is ApiFamily.MESSAGES:
+            return await self._plan_messages(handler, body, request_id)
+        try:
             base = self.base_for(body.get("model"))
         except GatewayError as error:
             return self, Local(error.status, error.body)
         return base, await base.planner.plan(api, body, raw, request_id)
+
+    async def _plan_messages(self, handler: str, body: dict[str, Any], request_id: str) -> tuple[Services, Plan]:
+        """A Messages request: its chat request planned as chat; what the route refuses is in
+        Anthropic's envelope (a body vLLM's model refuses keeps native's validation error)."""
+        base = self
+        try:
+            base = self.base_for(body.get("model"))
+        except GatewayError as error:
+            return self, Local(error.status, anthropic_error(error.status, error.body))
+        try:
+            chat = await base.messages.chat_body(body, count_tokens=handler == "messages_count_tokens")
+        except GatewayError as error:  # its body is native's already
+            return base, Local(error.status, error.body)
+        raw = orjson.dumps(chat)
+        if handler == "messages_count_tokens":
+            plan: Plan = await base.planner.count_tokens(chat, raw, request_id)
+        else:
+            plan = await base.planner.plan(ApiKind.CHAT, chat, raw, request_id, ApiFamily.MESSAGES)
+        if isinstance(plan, Local) and plan.status != 200:
+            plan = Local(plan.status, anthropic_error(plan.status, plan.body))
+        return base, plan
 
     def answer(self, handler: str) -> bytes:
         """What the processor answers itself: health, and /v1/models (every base's catalog)."""
@@ -106,6 +138,8 @@ class Services:
             routed = await prefilled(plan, self.planner, self.http, self.config.listener.stream_idle_timeout_s)
         if isinstance(routed, TokenOnly) and routed.trigger_attempt is not None:
             self.triggers.expect(routed, spawn)
+        if isinstance(routed, Local) and plan.tokenized.request.family is ApiFamily.MESSAGES:  # a failed prefill
+            routed = Local(routed.status, anthropic_error(routed.status, routed.body))
         return routed
 
     def replay_native(self, plan: Plan | None, served_by: str | None, end: bool) -> Outs:

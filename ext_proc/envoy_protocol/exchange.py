@@ -11,16 +11,14 @@ from typing import Any
 from uuid import uuid4
 
 from ext_proc.byte_budget import StreamBytes
-from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.envoy_protocol import messages as msg
 from ext_proc.envoy_protocol.owned import OwnedAnswer
 from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.legs.responses import Chunk, Refuse, ResponseHandler, StreamResponse, handler_for
+from ext_proc.legs.responses import Chunk, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
-from ext_proc.protocol import ApiKind
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
 
@@ -39,7 +37,7 @@ class Exchange(EnvoyStream):
         self._s = services
         self.mode = Mode.PENDING
         self._headers: msg.Headers = {}
-        self._api: ApiKind | None = None
+        self._route: str | None = None  # the route's handler: chat, completions, messages, ...
         self._held = StreamBytes(services.inflight)
         self._body = RequestBody(services.config.listener.max_request_bytes, self._held)
         self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
@@ -99,7 +97,7 @@ class Exchange(EnvoyStream):
         elif message.end_of_stream:
             yield self._refuse(GatewayError(400, "request body is required", code="missing_body"))
         else:
-            self._api = ApiKind.from_handler(handler)
+            self._route = handler
 
     async def _on_request_body(self, message: ext_proc_pb.HttpBody) -> Replies:
         if self.mode is Mode.FORWARD:
@@ -127,9 +125,9 @@ class Exchange(EnvoyStream):
             self.record.handed_off()
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:
-        assert self._api is not None
+        assert self._route is not None
         raw = self._body.take()
-        self._s, plan = await self._s.plan(self._api, self._headers.get("content-type"), raw, self.request_id)
+        self._s, plan = await self._s.plan(self._route, self._headers.get("content-type"), raw, self.request_id)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
             self._plan = plan = await self._s.routable(plan, self.spawn)
@@ -171,10 +169,10 @@ class Exchange(EnvoyStream):
             self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
         if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
-        if isinstance(self._handler, StreamResponse):
-            self._handler.done = True
-            return [msg.response_reply(Chunk(sse_event(error.body) + DONE_EVENT, True), self.record)]
-        return [self._refuse(error)]
+        out = self._handler.interrupted(error) if self._handler is not None else refusal(self._plan, error)
+        if isinstance(out, Chunk):  # the client has headers: the stream's error event
+            return [msg.response_reply(out, self.record)]
+        return [self._refuse(GatewayError(out.status, error.message, body=out.body))]
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         headers = msg.header_map(message)

@@ -10,13 +10,16 @@ import asyncio
 import logging
 from contextlib import aclosing
 
+from ext_proc.derender.streaming import SSEFramer
 from ext_proc.envoy_protocol import messages as msg
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.anthropic_messages import MessagesStream, anthropic_error, messages_whole
 from ext_proc.legs.fanout import FanOut
 from ext_proc.legs.relay import OwnedContext
 from ext_proc.observability.request import RequestRecord
-from ext_proc.planning.plan import Owned
+from ext_proc.planning.plan import Owned, family
+from ext_proc.protocol import ApiFamily
 from ext_proc.services import Services
 
 SSE = "text/event-stream"
@@ -42,6 +45,8 @@ class OwnedAnswer:
         self._plan = plan
         self.fanout = FanOut(context, plan, config.processor.owned_queue_depth, config.model.served_name)
         self.streaming = False  # the client has headers and the writer task owns the rest
+        # an Anthropic Messages request: the chat answer converted as native converts it
+        self._messages = family(plan) is ApiFamily.MESSAGES
 
     async def replies(self) -> Replies:
         try:
@@ -51,31 +56,41 @@ class OwnedAnswer:
                 yield msg.local_response_headers(200, SSE, self._record)
                 self._stream.spawn(self._write())
                 return
-            body = await self.fanout.whole()
+            status, body = 200, await self.fanout.whole()
         except GatewayError as error:
-            for reply in msg.local_response(error.status, error.body, self._record):
-                yield reply
-            return
+            status, body = error.status, error.body
+            if self._messages:
+                body = anthropic_error(status, body)
         finally:
             if not self.streaming:
                 await self._close()
-        for reply in msg.local_response(200, body, self._record):
+        if self._messages and status == 200:
+            status, body = messages_whole(body)
+        for reply in msg.local_response(status, body, self._record):
             yield reply
 
     async def _write(self) -> None:
         complete = False
+        converter = MessagesStream() if self._messages else None
+        framer = SSEFramer()
         try:
             async with aclosing(self.fanout.stream()) as chunks:
                 async for data in chunks:
-                    await self._stream.send(msg.local_response_body(data, False, self._record))
+                    if converter is not None:
+                        data = converter.convert(framer.feed(data))
+                    if data:
+                        await self._stream.send(msg.local_response_body(data, False, self._record))
             complete = True
-            await self._stream.send(msg.local_response_body(b"", True, self._record))
+            tail = converter.convert(framer.flush(), end=True) if converter is not None else b""
+            await self._stream.send(msg.local_response_body(tail, True, self._record))
         except asyncio.CancelledError:
             if not complete:  # the client left (Envoy reset the call) before the end
                 open_streams = sum(prompt.streaming for prompt in self.fanout.prompts)
                 log.info("client left %s; closing %d engine streams", self._plan.tokenized.request_id, open_streams)
             raise
         finally:
+            if converter is not None:
+                converter.close()
             process = self._services.process
             process.owned_queue_depth_max = max(process.owned_queue_depth_max, self.fanout.queue_depth_max)
             process.relays += sum(prompt.attempts for prompt in self.fanout.prompts)

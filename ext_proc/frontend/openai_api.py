@@ -8,7 +8,7 @@ import orjson
 
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog
-from ext_proc.protocol import NOT_FOR_ENGINES, ApiKind, OpenAIRequest
+from ext_proc.protocol import NOT_FOR_ENGINES, ApiFamily, ApiKind, OpenAIRequest
 
 MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
@@ -29,9 +29,13 @@ def parse_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
 
 
 def parse_request(
-    api: ApiKind, body: dict[str, Any], catalog: ModelCatalog, vocab_size: int | None = None
+    api: ApiKind,
+    body: dict[str, Any],
+    catalog: ModelCatalog,
+    vocab_size: int | None = None,
+    family: ApiFamily = ApiFamily.OPENAI,
 ) -> OpenAIRequest:
-    request = OpenAIRequest(api=api, body=body, adapter=catalog.resolve(body.get("model")))
+    request = OpenAIRequest(api=api, body=body, adapter=catalog.resolve(body.get("model")), family=family)
     required = "messages" if api is ApiKind.CHAT else "prompt"
     if body.get(required) in (None, [], ""):
         raise GatewayError(

@@ -3,6 +3,8 @@ bytes (no protos: the Envoy adapter wraps them).
 
 - `PassthroughResponse`: the engine's own response, untouched (native path, `/v1/models`);
 - `StreamResponse`: generate SSE through the streaming derender pipeline, chunk by chunk;
+- `MessagesResponse`: an Anthropic Messages request's answer: the chat answer any of the
+  others makes, converted as native vLLM converts it;
 - `BufferedResponse`: a whole generate JSON (derendered once; streamed to a client that asked
   for a stream the engine answers whole), or an engine error (made an OpenAI error),
   collected under a size cap; an engine without token-only generate (403/404/501
@@ -21,9 +23,11 @@ import orjson
 
 from ext_proc.byte_budget import StreamBytes
 from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, StreamDerender
+from ext_proc.derender.streaming import DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError, error_body, normalize_error_body
-from ext_proc.planning.plan import Plan, TokenOnly
-from ext_proc.protocol import OpenAIRequest, TokenizedRequest
+from ext_proc.frontend.anthropic_messages import MessagesStream, anthropic_error, messages_whole
+from ext_proc.planning.plan import Plan, TokenOnly, family
+from ext_proc.protocol import ApiFamily, OpenAIRequest, TokenizedRequest
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -69,6 +73,11 @@ class ResponseHandler(Protocol):
 
     def on_trailers(self) -> Outs: ...
 
+    def interrupted(self, error: GatewayError) -> Chunk | Refuse:
+        """The answer ends now with this error (a bug, the drain deadline): the stream's last
+        event once the client has headers, else the error as the whole answer."""
+        ...
+
 
 def handler_for(
     plan: Plan | None,
@@ -80,16 +89,28 @@ def handler_for(
     replay: Callable[[bool], Outs],
 ) -> ResponseHandler:
     """Which handler takes the engine's response: decided by the plan and the response headers."""
+    handler: ResponseHandler
     if not isinstance(plan, TokenOnly):
-        return PassthroughResponse()
-    tokenized = plan.tokenized
-    if status == 200 and tokenized.stream and content_type.startswith("text/event-stream"):
-        return StreamResponse(StreamDerender(PerTokenSteps(derender.stream(tokenized))))
-    return BufferedResponse(tokenized, derender, held, cap, replay)
+        handler = PassthroughResponse()
+    elif status == 200 and plan.tokenized.stream and content_type.startswith("text/event-stream"):
+        handler = StreamResponse(StreamDerender(PerTokenSteps(derender.stream(plan.tokenized))))
+    else:
+        handler = BufferedResponse(plan.tokenized, derender, held, cap, replay)
+    return MessagesResponse(handler) if family(plan) is ApiFamily.MESSAGES else handler
+
+
+def refusal(plan: Plan | None, error: GatewayError) -> Refuse:
+    """The gateway's error as the whole answer, in the envelope of the client's API."""
+    if family(plan) is ApiFamily.MESSAGES:
+        return Refuse(error.status, anthropic_error(error.status, error.body))
+    return Refuse(error.status, error.body)
 
 
 class PassthroughResponse:
     done = False
+
+    def interrupted(self, error: GatewayError) -> Chunk | Refuse:
+        return Refuse(error.status, error.body)
 
     async def on_headers(self, status: int, content_type: str, end: bool) -> Outs:
         yield Head(same_body=True)
@@ -127,6 +148,10 @@ class StreamResponse:
         if not self.done:
             self.done = True
             yield Chunk(await self._derender.finish(), False)
+
+    def interrupted(self, error: GatewayError) -> Chunk | Refuse:
+        self.done = True
+        return Chunk(sse_event(error.body) + DONE_EVENT, True)
 
 
 class BufferedResponse:
@@ -175,6 +200,9 @@ class BufferedResponse:
             async for out in self._finish(False):
                 yield out
 
+    def interrupted(self, error: GatewayError) -> Chunk | Refuse:
+        return Refuse(error.status, error.body)
+
     async def _finish(self, end: bool) -> Outs:
         self.done = True
         upstream, self._pieces = b"".join(self._pieces), []
@@ -197,6 +225,79 @@ class BufferedResponse:
             body = normalize_error_body(status, upstream)
         yield Head(status, JSON)
         yield Chunk(body, end)
+
+
+class MessagesResponse:
+    """The chat answer the inner handler makes, as native's Messages answer: a stream through
+    vLLM's stream converter, a whole answer (held until complete: its status may change)
+    through its whole converter, errors in Anthropic's envelope."""
+
+    def __init__(self, inner: ResponseHandler) -> None:
+        self._inner = inner
+        self._engine = (200, JSON)  # the engine's status and content type
+        self._head: Head | None = None  # a whole answer's, sent with its body
+        self._stream: MessagesStream | None = None
+        self._framer = SSEFramer()
+        self._pieces: list[bytes] = []
+
+    @property
+    def done(self) -> bool:
+        return self._inner.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self._inner.done = value
+
+    async def on_headers(self, status: int, content_type: str, end: bool) -> Outs:
+        self._engine = (status, content_type)
+        async for out in self._inner.on_headers(status, content_type, end):
+            for converted in self._convert(out):
+                yield converted
+
+    async def on_body(self, data: bytes, end: bool) -> Outs:
+        async for out in self._inner.on_body(data, end):
+            for converted in self._convert(out):
+                yield converted
+
+    async def on_trailers(self) -> Outs:
+        async for out in self._inner.on_trailers():
+            for converted in self._convert(out):
+                yield converted
+        if self._head is not None:  # a whole answer the trailers end
+            for converted in self._whole(end=False):
+                yield converted
+
+    def interrupted(self, error: GatewayError) -> Chunk | Refuse:
+        """As the chat stream would have ended, converted."""
+        out = self._inner.interrupted(error)
+        if isinstance(out, Refuse) or self._stream is None:
+            return Refuse(error.status, anthropic_error(error.status, error.body))
+        return Chunk(self._stream.convert(self._framer.feed(out.data), end=True), True)
+
+    def _convert(self, out: Out) -> list[Out]:
+        if isinstance(out, Refuse):
+            return [Refuse(out.status, anthropic_error(out.status, out.body))]
+        if isinstance(out, Head):
+            status = out.status if out.status is not None else self._engine[0]
+            content_type = out.content_type if out.content_type is not None else self._engine[1]
+            if status == 200 and content_type.startswith(SSE):
+                self._stream = MessagesStream()
+                return [Head(out.status, out.content_type)]  # the body changes: no content-length
+            self._head = Head(status, JSON)
+            return []
+        if self._stream is not None:
+            payloads = self._framer.feed(out.data) + (self._framer.flush() if out.end else [])
+            data = self._stream.convert(payloads, end=out.end)
+            return [Chunk(data, out.end)] if data or out.end else []
+        self._pieces.append(out.data)
+        return self._whole(end=True) if out.end else []
+
+    def _whole(self, end: bool) -> list[Out]:
+        body, self._pieces = b"".join(self._pieces), []
+        status = self._head.status if self._head is not None and self._head.status is not None else self._engine[0]
+        self._head = None
+        status, body = messages_whole(body) if status == 200 else (status, anthropic_error(status, body))
+        return [Head(status, JSON), Chunk(body, end)]
 
 
 def _error(status: int, message: str, code: str) -> tuple[int, bytes]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import ApiFamily, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Role
 
 
@@ -120,6 +120,15 @@ def pinned(plan: Plan, addresses: set[str]) -> Plan:
     if isinstance(plan, TokenOnly | Owned):
         return replace(plan, legs=tuple(pin(leg) for leg in plan.legs))
     return plan
+
+
+def family(plan: Plan | None) -> ApiFamily:
+    """The API the client speaks (Messages answers are converted on the way out)."""
+    if isinstance(plan, Native):
+        return plan.request.family
+    if isinstance(plan, TokenOnly | Owned):
+        return plan.tokenized.request.family
+    return ApiFamily.OPENAI
 
 
 def routed(plan: Plan | None) -> tuple[str | None, tuple[str, ...]]:

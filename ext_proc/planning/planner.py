@@ -22,6 +22,7 @@ import orjson
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.anthropic_messages import count_tokens_body
 from ext_proc.frontend.model_catalog import ModelCatalog, not_found
 from ext_proc.frontend.openai_api import native_body, parse_request
 from ext_proc.frontend.token_only import generate_body
@@ -31,7 +32,7 @@ from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
 from ext_proc.planning.stream_interval import stream_interval
-from ext_proc.protocol import Adapter, ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Adapter, ApiFamily, ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
@@ -63,16 +64,18 @@ class Planner:
 
     def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
         """501 for a POST with token obfuscation on: what the gateway does not render
-        (`/v1/responses`, `/v1/messages`, ...) an engine would tokenize itself, in plaintext."""
+        (`/v1/responses`, ...) an engine would tokenize itself, in plaintext."""
         if headers.get(":method") == "POST" and self._config.obfuscation.enable:
             return GatewayError(501, "not available with token obfuscation on", code="unsupported_with_obfuscation")
         return None
 
-    async def plan(self, api: ApiKind, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
+    async def plan(
+        self, api: ApiKind, body: dict[str, Any], raw: bytes, request_id: str, family: ApiFamily = ApiFamily.OPENAI
+    ) -> Plan:
         """`body`: `raw` parsed (a JSON object), whose `model` is this planner's base model's."""
         try:
             model = self._config.model
-            request = parse_request(api, body, self.catalog, vocab_size(model.path))
+            request = parse_request(api, body, self.catalog, vocab_size(model.path), family)
             if request.echo and self._config.derender.mode == "sidecar":
                 raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
             if (record := current()) is not None:  # admission, metrics and stage lines per model
@@ -93,6 +96,18 @@ class Planner:
         if record is not None:
             record.scheduled(started, tokenized.prompt_tokens)
         return plan
+
+    async def count_tokens(self, body: dict[str, Any], raw: bytes, request_id: str) -> Local:
+        """A Messages `count_tokens` request (its chat request): the prompt's ids, from render
+        alone, as native counts them; nothing is admitted or sent to an engine."""
+        try:
+            request = parse_request(ApiKind.CHAT, body, self.catalog, None, ApiFamily.MESSAGES)
+            if (record := current()) is not None:
+                record.resolved(request.response_model(self._config.model.served_name))
+            tokenized = await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)
+        except GatewayError as error:
+            return Local(error.status, error.body)
+        return Local(200, count_tokens_body(tokenized.prompt_tokens))
 
     def _check_adapter(self, adapter: Adapter | None) -> None:
         """An adapter no instance lists: `lora.on_missing` says whether it is routed anyway

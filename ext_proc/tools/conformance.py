@@ -11,8 +11,9 @@ to check the framing a client relies on (one `data: [DONE]` at the end, one `id`
 `object`). An error is an answer too: its status and error object (type, message, param,
 code) are compared, in the body or as a stream's in-band error event.
 
-`tito conformance --gateway URL --native URL --model NAME [--only SUBSTRING]` prints one line
-per case and exits non-zero on any difference; the e2e tests run the same cases.
+`tito conformance --gateway URL --native URL --model NAME [--only SUBSTRING] [--api ...]` prints
+one line per case and exits non-zero on any difference; the e2e tests run the same cases. The
+Anthropic Messages cases are `messages_conformance.py`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import httpx
@@ -654,6 +656,12 @@ SPECS: list[Spec] = [
         ),
         (_tool_names(["get_weather"]),),
     ),
+    Spec(  # a call cut short by max_tokens: `length`, not `tool_calls`, streamed or not
+        "tool-required-cut",
+        "chat",
+        _constrained_chat("What is the weather?", 9, tools=[STRICT_WEATHER_TOOL], tool_choice="required", max_tokens=6),
+        (_finish("length"),),
+    ),
     Spec(
         "tool-several",
         "chat",
@@ -843,17 +851,34 @@ class CaseResult:
         return f"{self.status} {self.name}: " + "; ".join(self.lines)
 
 
-def fetch(client: httpx.Client, base_url: str, case: Case, model: str) -> Answer:
-    """One request as a client sends it; streams are read raw, to check their framing too."""
-    url = base_url.rstrip("/").removesuffix("/v1") + PATHS[case.api]  # `…/v1` as the openai client takes it
-    body = case.request(model)
+def posted(client: httpx.Client, base_url: str, path: str, body: Json) -> tuple[int, bytes] | Answer:
+    """One request as a client sends it: status and raw body (streams read raw, to check their
+    framing too), or the transport error as an unusable answer."""
+    url = base_url.rstrip("/").removesuffix("/v1") + path  # `…/v1` as the SDKs take it
     try:
         with client.stream("POST", url, json=body) as response:
-            raw = response.read()
+            return response.status_code, response.read()
     except httpx.HTTPError as error:
         return Answer(error=f"{type(error).__name__}: {error}")
-    if response.status_code != 200:
-        return normalize_error(response.status_code, raw)
+
+
+def compared(name: str, gateway: Answer, native: Answer, max_reported: int) -> CaseResult:
+    """The gateway's answer against native's, as one case's result."""
+    if gateway.error:
+        return CaseResult(name, "FAIL", [f"gateway: {gateway.error}"])
+    lines = [f"gateway {p}" for p in gateway.problems] + differences(gateway.normalized, native.normalized)
+    if len(lines) > max_reported:
+        lines = lines[:max_reported] + [f"(+{len(lines) - max_reported} more)"]
+    return CaseResult(name, "FAIL" if lines else "PASS", lines)
+
+
+def fetch(client: httpx.Client, base_url: str, case: Case, model: str) -> Answer:
+    answer = posted(client, base_url, PATHS[case.api], case.request(model))
+    if isinstance(answer, Answer):
+        return answer
+    status, raw = answer
+    if status != 200:
+        return normalize_error(status, raw)
     if case.stream:
         return normalize_stream(case.api, raw)
     try:
@@ -890,12 +915,7 @@ def run_case(
     finally:
         if owned:
             client.close()
-    if gateway.error:
-        return CaseResult(case.name, "FAIL", [f"gateway: {gateway.error}"])
-    lines = [f"gateway {p}" for p in gateway.problems] + differences(gateway.normalized, native.normalized)
-    if len(lines) > max_reported:
-        lines = lines[:max_reported] + [f"(+{len(lines) - max_reported} more)"]
-    return CaseResult(case.name, "FAIL" if lines else "PASS", lines)
+    return compared(case.name, gateway, native, max_reported)
 
 
 def new_client(timeout: float = 120) -> httpx.Client:
@@ -916,18 +936,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--only", help="run only the cases whose name contains this")
     parser.add_argument("--max-differences", type=int, default=MAX_REPORTED, help="differences shown per case")
+    parser.add_argument(
+        "--api",
+        choices=("openai", "messages", "all"),
+        default="all",
+        help="OpenAI chat/completions, Anthropic Messages",
+    )
     args = parser.parse_args(argv)
-    cases = select(args.only)
-    if not cases:
+    from ext_proc.tools import messages_conformance as messages
+
+    runs: list[Callable[..., CaseResult]] = []
+    if args.api in ("openai", "all"):
+        runs += [
+            partial(run_case, c, args.gateway, args.native, args.model, max_reported=args.max_differences)
+            for c in select(args.only)
+        ]
+    if args.api in ("messages", "all"):
+        chosen = [c for c in messages.CASES if not args.only or args.only in c.name]
+        runs += [
+            partial(messages.run_case, c, args.gateway, args.native, args.model, max_reported=args.max_differences)
+            for c in chosen
+        ]
+    if not runs:
         print(f"no case matches {args.only!r}", file=sys.stderr)
         return 2
     failed = 0
     with new_client() as client:
-        for case in cases:
-            result = run_case(case, args.gateway, args.native, args.model, client, args.max_differences)
+        for run in runs:
+            result = run(client=client)
             failed += result.status != "PASS"
             print(result.report(), flush=True)
-    print(f"{len(cases) - failed}/{len(cases)} cases pass", file=sys.stderr)
+    print(f"{len(runs) - failed}/{len(runs)} cases pass", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS
+from ext_proc.tools import messages_conformance
 from ext_proc.tools.conformance import (
     CASES,
     SPECS,
@@ -26,6 +27,7 @@ from ext_proc.tools.conformance import (
     normalize_stream,
     run_case,
 )
+from ext_proc.tools.messages_conformance import MessagesCase
 from tests.conftest import RealGateway, RunningStack, start_real_gateway
 
 MODES = ("in_process", "sidecar")
@@ -178,3 +180,53 @@ def test_a_stream_of_16_tokens_per_engine_event_equals_native_vllm(
     model = stack.config.model.served_name
     result = run_case(case, coalesced_gateway.base_url, stack.engine_url, model, conformance_client)
     assert result.status == "PASS", f"{result.status} {case.name} (stream_interval 16):\n" + "\n".join(result.lines)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", messages_conformance.CASES, ids=lambda case: case.name)
+def test_messages_answer_equals_native_vllm_messages(
+    case: MessagesCase,
+    mode: str,
+    stack: RunningStack,
+    request: pytest.FixtureRequest,
+    conformance_client: httpx.Client,
+) -> None:
+    """Anthropic Messages: chat inside the gateway, converted at both ends as native converts."""
+    gateway_url = _gateway_url(mode, request)
+    result = messages_conformance.run_case(
+        case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client
+    )
+    assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+
+
+@pytest.mark.parametrize("name", ["text", "thinking", "tool-named", "stop-sequence"])
+def test_the_official_anthropic_client_reads_the_gateway_as_native(name: str, stack: RunningStack) -> None:
+    """What the `anthropic` SDK makes of both answers, whole and streamed, is the same."""
+    import anthropic
+
+    spec = next(b for n, b, _ in messages_conformance.SPECS if n == name)
+    sdk = {"max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "thinking", "output_config"}
+    body = {k: v for k, v in spec.items() if k in sdk}
+    # vLLM's own fields, and temperature (not a parameter of this SDK version)
+    body["extra_body"] = {k: v for k, v in spec.items() if k not in sdk}
+    model = stack.config.model.served_name
+
+    def answers(base_url: str) -> list[dict[str, Any]]:
+        client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        whole = client.messages.create(model=model, **body)
+        with client.messages.stream(model=model, **body) as stream:
+            events = [event.type for event in stream]
+            streamed = stream.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop"
+        return [_sdk_message(whole), _sdk_message(streamed)]
+
+    assert answers(stack.base_url) == answers(stack.engine_url)
+
+
+def _sdk_message(message: Any) -> dict[str, Any]:
+    """The SDK's message less its random values (id, thinking signatures, tool-use ids)."""
+    dumped: dict[str, Any] = message.model_dump(exclude={"id"})
+    for block in dumped["content"]:
+        block.pop("signature", None)
+        block.pop("id", None)
+    return dumped

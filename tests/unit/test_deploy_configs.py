@@ -77,6 +77,8 @@ def test_bootstrap_has_the_measured_settings() -> None:
     assert public == {
         ("/v1/chat/completions", "POST"),
         ("/v1/completions", "POST"),
+        ("/v1/messages", "POST"),
+        ("/v1/messages/count_tokens", "POST"),
         ("/v1/models", "GET"),
         ("/health", "GET"),
     }
@@ -467,7 +469,7 @@ def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) ->
     assert server["port"]["protocol"] == "HTTP" and server["hosts"]
     assert routes["spec"]["gateways"] == [gateway["metadata"]["name"]]
     (route,) = routes["spec"]["http"]
-    rendered = [r.path for r in config.listener.routes if r.handler in ("chat", "completions")]
+    rendered = [r.path for r in config.listener.routes if r.handler not in ("passthrough", "health", "models")]
     assert sorted(m["uri"]["exact"] for m in route["match"]) == sorted(rendered)
     engine = _object("Service", "vllm-engine")
     (port,) = [p for p in engine["spec"]["ports"] if p["name"] == "http"]

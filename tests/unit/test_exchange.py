@@ -37,6 +37,8 @@ PD = [
 class FakeTokenization:
     """Render's answer without render: one GenerateRequest per prompt."""
 
+    pool = None  # no render endpoints (Messages settings then are native's defaults)
+
     def __init__(self) -> None:
         self.fail = False
         self.rendered_model: str | None = None
