@@ -254,11 +254,11 @@ class MessagesStream:
         return "".join(out).encode()
 
     def close(self) -> None:
-        """The answer ended early (the client left): the converter is finished, not left suspended."""
-        if self._pending is not None:
-            self._pending.close()
-            self._pending = None
-        self.done = True
+        """The answer ended early (the client left): the converter runs to its end on an input
+        that ends here (what it would still say is dropped), so it is never left suspended:
+        asyncio would try to close a suspended one itself, and fail loudly."""
+        if not self.done:
+            self.convert([], end=True)
 
 
 class _Suspend:

@@ -267,6 +267,11 @@ class MessagesResponse:
             for converted in self._whole(end=False):
                 yield converted
 
+    def close(self) -> None:
+        """The exchange ended: a stream the client left is not left suspended."""
+        if self._stream is not None:
+            self._stream.close()
+
     def interrupted(self, error: GatewayError) -> Chunk | Refuse:
         """As the chat stream would have ended, converted."""
         out = self._inner.interrupted(error)

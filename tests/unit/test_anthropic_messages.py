@@ -288,3 +288,29 @@ def test_the_messages_checker_compares_what_a_client_reads_and_not_how_deltas_ar
         "unparsable event '[DONE]'",
         "stream: a [DONE] in a Messages stream",
     ]
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_an_answer_left_mid_stream_is_closed_not_left_for_asyncio_to_fail_on(closed: bool) -> None:
+    """The exchange closes its Messages answer when it ends: vLLM's converter is run to its
+    end. One dropped while suspended makes asyncio's finalizer fail ("aclose(): asynchronous
+    generator is already running", logged as an error): the control shows it."""
+    import gc
+
+    from ext_proc.legs.responses import Chunk, Head, MessagesResponse
+
+    sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(2))[:3])
+    failures: list[Any] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: failures.append(context))
+        handler = MessagesResponse(_Inner([Head(), Chunk(sse, False)]))
+        await _outs(handler)
+        if closed:
+            handler.close()
+        del handler
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert (failures == []) is closed, failures
