@@ -25,8 +25,8 @@ from protos.stubs import ext_proc_pb
 
 class Mode(enum.Enum):
     PENDING = "pending"  # the request body is still arriving
-    LOCAL = "local"  # answered here, or a whole passthrough request sent on: no more messages
-    FORWARD = "forward"  # passthrough: request bodies go unchanged
+    LOCAL = "local"  # answered here: no more messages
+    FORWARD = "forward"  # passthrough: request and response bodies go unchanged
     PLANNED = "planned"  # sent upstream as planned; a response handler takes the response
     OWNED = "owned"  # the processor streams its own answer from engine streams it runs
 
@@ -121,9 +121,11 @@ class Exchange(EnvoyStream):
             yield msg.request_trailers_reply()
             self._forwarded(self.mode is Mode.FORWARD)
 
-    def _forwarded(self, whole: bool) -> None:  # a passthrough request, whole once sent on
+    def _forwarded(self, whole: bool) -> None:
+        """A passthrough request, whole once sent on. The call stays open for the response:
+        Envoy streams its body through here (FULL_DUPLEX), and a call ended meanwhile lost
+        the chunks already sent, so clients got the engine's status with an empty body."""
         if whole:
-            self.mode = Mode.LOCAL
             self.record.handed_off()
 
     async def _dispatch(self, end_of_stream: bool) -> Replies:

@@ -199,12 +199,15 @@ async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers
     removed = set(reply.request_headers.response.header_mutation.remove_headers)
     assert set(steering) <= removed and "traceparent" not in removed
     assert services.scheduler.ledger.active_leases == 0
-    assert exchange.answered  # the stream ends: Envoy forwards the response without the processor
+    # The call stays open: the engine's answer streams through unchanged (FULL_DUPLEX)
+    assert not exchange.answered
+    answer = await _run(exchange, _response_headers(500, "application/json"), _response_body(b'{"a": 1}', True))
+    assert _client_body(answer) == b'{"a": 1}'
     state = await _closed(services, exchange)
     assert all(i["breaker"] == "closed" and i["consecutive_failures"] == 0 for i in state["instances"].values())
 
 
-async def test_a_passthrough_post_is_handed_off_once_its_body_is_forwarded(engines: Engines) -> None:
+async def test_a_passthrough_post_forwards_its_body_unchanged(engines: Engines) -> None:
     services = _services(engines)
     exchange = Exchange(services)
     route = {"method": "POST", "path": "/v1/responses", "handler": "passthrough"}
@@ -216,7 +219,7 @@ async def test_a_passthrough_post_is_handed_off_once_its_body_is_forwarded(engin
     assert not exchange.answered
     last = await _run(exchange, _body(b'"tiny"}'))
     assert last[0].request_body.response.body_mutation.streamed_response.end_of_stream
-    assert exchange.answered
+    assert not exchange.answered  # the engine's answer comes through here
     await _closed(services, exchange)
 
 
