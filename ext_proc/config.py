@@ -41,13 +41,16 @@ class PublicRoute(_Strict):
     """One method + path the listener serves; every other request gets a 404 from Envoy
     and reaches nothing. `handler` says who answers: chat/completions are rendered and
     routed token-only, as are Anthropic Messages (`messages`: chat inside the gateway, as in
-    native vLLM; `messages_count_tokens`: render alone), passthrough goes to an engine
+    native vLLM; `messages_count_tokens`: render alone) and OpenAI Responses (`responses`: the
+    stateless subset, completions inside the gateway), passthrough goes to an engine
     untouched (never breaker input), health and models (the model catalog's /v1/models) are
     answered by the processor."""
 
     method: Literal["GET", "POST"]
     path: str
-    handler: Literal["chat", "completions", "messages", "messages_count_tokens", "passthrough", "health", "models"]
+    handler: Literal[
+        "chat", "completions", "messages", "messages_count_tokens", "responses", "passthrough", "health", "models"
+    ]
 
 
 DEFAULT_ROUTES = [
@@ -55,6 +58,7 @@ DEFAULT_ROUTES = [
     PublicRoute(method="POST", path="/v1/completions", handler="completions"),
     PublicRoute(method="POST", path="/v1/messages", handler="messages"),
     PublicRoute(method="POST", path="/v1/messages/count_tokens", handler="messages_count_tokens"),
+    PublicRoute(method="POST", path="/v1/responses", handler="responses"),
     PublicRoute(method="GET", path="/v1/models", handler="models"),
     PublicRoute(method="GET", path="/health", handler="health"),
 ]

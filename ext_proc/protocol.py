@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 GENERATE_PATH = "/inference/v1/generate"
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, omitted from render output when equal
 
 
 class ApiKind(enum.Enum):
-    """An OpenAI API the gateway renders (Anthropic Messages are chat inside the gateway);
-    anything else goes to the engine untouched."""
+    """An OpenAI API the gateway renders (Anthropic Messages are chat inside the gateway,
+    OpenAI Responses are rendered as such and completions inside); anything else goes to the
+    engine untouched."""
 
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
 
     @property
     def render_path(self) -> str:
@@ -38,16 +40,48 @@ class ApiKind(enum.Enum):
     def from_handler(cls, handler: str) -> ApiKind | None:
         """The API of a public route's handler (`listener.routes`), if tito renders it."""
         chat, completions = cls.CHAT, cls.COMPLETIONS
-        return {"chat": chat, "completions": completions, "messages": chat, "messages_count_tokens": chat}.get(handler)
+        return {
+            "chat": chat,
+            "completions": completions,
+            "messages": chat,
+            "messages_count_tokens": chat,
+            "responses": cls.RESPONSES,
+        }.get(handler)
 
 
 class ApiFamily(enum.Enum):
     """The API the client speaks. Anthropic Messages requests are chat requests inside the
     gateway (as in native vLLM): converted at the door, their answers converted on the way
-    out (`frontend/anthropic_messages.py`)."""
+    out (`frontend/anthropic_messages.py`). OpenAI Responses requests are completions
+    requests once rendered (`frontend/openai_responses.py`)."""
 
     OPENAI = "openai"
     MESSAGES = "messages"
+    RESPONSES = "responses"
+
+
+class StreamConversion(Protocol):
+    """One answer's stream, converted: the inner API's SSE payloads in, the client's SSE out."""
+
+    def convert(self, payloads: list[bytes], end: bool = False) -> bytes: ...
+
+    def close(self) -> None:
+        """The answer ended early: nothing is left suspended."""
+        ...
+
+
+class Conversion(Protocol):
+    """How a client's answer is made from the answer of the API inside the gateway."""
+
+    def stream(self) -> StreamConversion: ...
+
+    def whole(self, body: bytes) -> tuple[int, bytes]:
+        """A whole inner answer (status 200) -> the client's status and body."""
+        ...
+
+    def error(self, status: int, body: bytes) -> bytes:
+        """An OpenAI error body in the client's API's envelope."""
+        ...
 
 
 # Client fields that would let a client steer engines (P/D transfer, engine-side extra args,
@@ -76,6 +110,7 @@ class OpenAIRequest:
     body: dict[str, Any]
     adapter: Adapter | None = None
     family: ApiFamily = ApiFamily.OPENAI  # the client's API (MESSAGES: `body` is its chat request)
+    conversion: Conversion | None = None  # the client's answer from the inner one (not OPENAI)
 
     @property
     def model(self) -> str | None:
@@ -114,7 +149,7 @@ class OpenAIRequest:
         return self.adapter.name if self.adapter is not None else served_name
 
     def kept(self) -> OpenAIRequest:
-        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family)
+        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family, self.conversion)
 
 
 @dataclass

@@ -14,7 +14,9 @@ import httpx
 from ext_proc.admin import start_admin, state
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
+from ext_proc.derender.in_process import DerenderModel
 from ext_proc.derender.pipeline import build_derenderer
+from ext_proc.derender.responses import ResponsesServing
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
@@ -196,12 +198,14 @@ def build_services(
         render_pool.on_render = observability.render_attempt
     if capabilities is not None:
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
+    model = DerenderModel(config.model)
     services = Services(
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
-            config, DerenderClient(render, http, config.model.served_name, config.model.has_parser), codec
+            config, DerenderClient(render, http, config.model.served_name, config.model.has_parser), model, codec
         ),
+        responses=ResponsesServing(model, config.model.max_model_len),
         planner=planner,
         http=http,
         http_streams=streams,

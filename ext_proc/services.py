@@ -8,6 +8,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
@@ -16,10 +17,12 @@ import orjson
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
+from ext_proc.derender.responses import ResponsesServing
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.anthropic_messages import MessagesFrontend, anthropic_error, family_of
+from ext_proc.frontend.anthropic_messages import MESSAGES, MessagesFrontend, anthropic_error, family_of
 from ext_proc.frontend.model_catalog import models_body, not_found
 from ext_proc.frontend.openai_api import parse_body
+from ext_proc.frontend.openai_responses import responses_request
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.capabilities import Capabilities
 from ext_proc.legs.http_client import CountingTransport
@@ -63,6 +66,7 @@ class Services:
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     process: ProcessState = field(default_factory=ProcessState)
+    responses: ResponsesServing | None = None  # OpenAI Responses answers (None: not served)
     messages: MessagesFrontend = field(init=False)  # Anthropic Messages, converted to chat
 
     def __post_init__(self) -> None:
@@ -94,6 +98,8 @@ class Services:
             return self, Local(error.status, error.body)
         if family_of(handler) is ApiFamily.MESSAGES:
             return await self._plan_messages(handler, body, request_id)
+        if api is ApiKind.RESPONSES:
+            return await self._plan_responses(body, raw, request_id)
         try:
             base = self.base_for(body.get("model"))
         except GatewayError as error:
@@ -116,10 +122,28 @@ class Services:
         if handler == "messages_count_tokens":
             plan: Plan = await base.planner.count_tokens(chat, raw, request_id)
         else:
-            plan = await base.planner.plan(ApiKind.CHAT, chat, raw, request_id, ApiFamily.MESSAGES)
+            plan = await base.planner.plan(ApiKind.CHAT, chat, raw, request_id, ApiFamily.MESSAGES, MESSAGES)
         if isinstance(plan, Local) and plan.status != 200:
             plan = Local(plan.status, anthropic_error(plan.status, plan.body))
         return base, plan
+
+    async def _plan_responses(self, body: dict[str, Any], raw: bytes, request_id: str) -> tuple[Services, Plan]:
+        """A Responses request: refused as native refuses it without a store, else rendered as
+        such and served as the completions request it then is (`derender/responses.py`)."""
+        try:
+            base = self.base_for(body.get("model"))
+            client = await responses_request(raw, request_id)
+        except GatewayError as error:
+            return self, Local(error.status, error.body)
+        if base.responses is None:
+            refused = GatewayError(501, "the Responses API is not served by this gateway", code="unsupported")
+            return base, Local(refused.status, refused.body)
+        named = {**body, "request_id": client.request_id}  # render names its prompt with the gateway's id
+        inside = partial(base.responses.inside, client=client)
+        raw = orjson.dumps(named)
+        return base, await base.planner.plan(
+            ApiKind.RESPONSES, named, raw, request_id, ApiFamily.RESPONSES, None, inside
+        )
 
     def answer(self, handler: str) -> bytes:
         """What the processor answers itself: health, and /v1/models (every base's catalog)."""
@@ -138,8 +162,9 @@ class Services:
             routed = await prefilled(plan, self.planner, self.http, self.config.listener.stream_idle_timeout_s)
         if isinstance(routed, TokenOnly) and routed.trigger_attempt is not None:
             self.triggers.expect(routed, spawn)
-        if isinstance(routed, Local) and plan.tokenized.request.family is ApiFamily.MESSAGES:  # a failed prefill
-            routed = Local(routed.status, anthropic_error(routed.status, routed.body))
+        converted = plan.tokenized.request.conversion
+        if isinstance(routed, Local) and converted is not None:  # a failed prefill, in the client's envelope
+            routed = Local(routed.status, converted.error(routed.status, routed.body))
         return routed
 
     def replay_native(self, plan: Plan | None, served_by: str | None, end: bool) -> Outs:

@@ -33,7 +33,7 @@ from ext_proc.derender.logprobs import (
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
+from ext_proc.protocol import ApiFamily, ApiKind, PromptTokens, TokenizedRequest
 
 log = logging.getLogger("tito.derender")
 
@@ -167,6 +167,8 @@ class _Session:
         self._include_usage = bool(usage and usage.include_usage)
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
         self._prompt_logprobs: list[Any] | None = None  # a whole answer's (the only ones that carry them)
+        # A Responses request's steps stay apart: its parser runs on each (`responses.py`)
+        self._merges = request.request.family is not ApiFamily.RESPONSES
 
     @property
     def completion_tokens(self) -> int:
@@ -201,7 +203,7 @@ class _Session:
         chunks: list[dict[str, Any]] = []
         for event in events:
             for chunk in self._event(event):
-                merged = _merge(chunks[-1], chunk) if chunks else None
+                merged = _merge(chunks[-1], chunk) if chunks and self._merges else None
                 if merged is None:
                     chunks.append(chunk)
                 else:

@@ -28,7 +28,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import CHUNK_SAMPLE, current
-from ext_proc.protocol import TokenizedRequest
+from ext_proc.protocol import ApiFamily, TokenizedRequest
 
 log = logging.getLogger("tito.derender")
 
@@ -187,6 +187,24 @@ def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
+class ByFamily:
+    """Sidecar mode: OpenAI Responses requests still derender in process. vLLM 0.32's
+    completions /derender leaves out the output ids their parsers read, per step."""
+
+    def __init__(self, sidecar: Derenderer, in_process: Derenderer) -> None:
+        self._sidecar = sidecar
+        self._in_process = in_process
+
+    def _for(self, request: TokenizedRequest) -> Derenderer:
+        return self._in_process if request.request.family is ApiFamily.RESPONSES else self._sidecar
+
+    def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
+        return self._for(request).stream(request, prompt_index)
+
+    async def whole(self, request: TokenizedRequest, generate_body: bytes, prompt_index: int = 0) -> bytes:
+        return await self._for(request).whole(request, generate_body, prompt_index)
+
+
 class MeasuredDerender:
     """Whole answers timed for the request's record (stream chunks are timed where they are
     framed: `StreamDerender`, and the relay's steps)."""
@@ -212,13 +230,14 @@ class MeasuredDerender:
         return body
 
 
-def build_derenderer(config: TitoConfig, client: DerenderClient, codec: TokenCodec | None = None) -> Derenderer:
-    """The configured backend. Both load the engines' tokenizer (vLLM, torch: seconds) now,
+def build_derenderer(
+    config: TitoConfig, client: DerenderClient, model: DerenderModel, codec: TokenCodec | None = None
+) -> Derenderer:
+    """The configured backend. `model`: the engines' tokenizer (vLLM, torch: seconds), loaded
     at start-up, never on a request; the sidecar mode uses it only for its corrections."""
-    model = DerenderModel(config.model)
-    backend: Derenderer = (
-        SidecarDerender(client, model) if config.derender.mode == "sidecar" else InProcessDerender(model)
-    )
+    backend: Derenderer = InProcessDerender(model)
+    if config.derender.mode == "sidecar":
+        backend = ByFamily(SidecarDerender(client, model), backend)
     return MeasuredDerender(backend if codec is None else SemanticDerender(backend, codec))
 
 

@@ -17,7 +17,7 @@ from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.legs.responses import Chunk, MessagesResponse, Refuse, ResponseHandler, handler_for, refusal
+from ext_proc.legs.responses import Chunk, ConvertedResponse, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
@@ -65,7 +65,7 @@ class Exchange(EnvoyStream):
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
         if self._owned is not None:
             self._owned.fanout.release()
-        if isinstance(self._handler, MessagesResponse):
+        if isinstance(self._handler, ConvertedResponse):
             self._handler.close()
         self._held.release()
         self._s.process.active_exchanges -= 1

@@ -14,12 +14,10 @@ from ext_proc.derender.streaming import SSEFramer
 from ext_proc.envoy_protocol import messages as msg
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.anthropic_messages import MessagesStream, anthropic_error, messages_whole
 from ext_proc.legs.fanout import FanOut
 from ext_proc.legs.relay import OwnedContext
 from ext_proc.observability.request import RequestRecord
-from ext_proc.planning.plan import Owned, family
-from ext_proc.protocol import ApiFamily
+from ext_proc.planning.plan import Owned, conversion
 from ext_proc.services import Services
 
 SSE = "text/event-stream"
@@ -45,8 +43,8 @@ class OwnedAnswer:
         self._plan = plan
         self.fanout = FanOut(context, plan, config.processor.owned_queue_depth, config.model.served_name)
         self.streaming = False  # the client has headers and the writer task owns the rest
-        # an Anthropic Messages request: the chat answer converted as native converts it
-        self._messages = family(plan) is ApiFamily.MESSAGES
+        # a Messages or Responses request: the inner answer converted as native converts it
+        self._conversion = conversion(plan)
 
     async def replies(self) -> Replies:
         try:
@@ -59,19 +57,19 @@ class OwnedAnswer:
             status, body = 200, await self.fanout.whole()
         except GatewayError as error:
             status, body = error.status, error.body
-            if self._messages:
-                body = anthropic_error(status, body)
+            if self._conversion is not None:
+                body = self._conversion.error(status, body)
         finally:
             if not self.streaming:
                 await self._close()
-        if self._messages and status == 200:
-            status, body = messages_whole(body)
+        if self._conversion is not None and status == 200:
+            status, body = self._conversion.whole(body)
         for reply in msg.local_response(status, body, self._record):
             yield reply
 
     async def _write(self) -> None:
         complete = False
-        converter = MessagesStream() if self._messages else None
+        converter = self._conversion.stream() if self._conversion is not None else None
         framer = SSEFramer()
         try:
             async with aclosing(self.fanout.stream()) as chunks:

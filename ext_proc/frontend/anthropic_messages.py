@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -32,7 +31,9 @@ from pydantic import ValidationError
 
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
+from ext_proc.frontend.openai_api import validation_error
 from ext_proc.frontend.render import Renderer, RenderUnavailable
+from ext_proc.frontend.stepped import Stepped
 from ext_proc.protocol import ApiFamily, ApiKind, OpenAIRequest
 
 log = logging.getLogger("tito.messages")
@@ -180,20 +181,6 @@ def route_error(exc: Exception) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": error.type, "message": error.message}})
 
 
-async def validation_error(exc: ValidationError) -> bytes:
-    """vLLM's own 400 for a body its request model refuses (FastAPI locates errors in `body`)."""
-    from types import SimpleNamespace
-
-    from fastapi.exceptions import RequestValidationError
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
-
-    errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
-    args = SimpleNamespace(log_error_stack=False)
-    caller = SimpleNamespace(headers={}, app=SimpleNamespace(state=SimpleNamespace(args=args)), state=SimpleNamespace())
-    response = await validation_exception_handler(caller, RequestValidationError(errors))  # type: ignore[arg-type]
-    return bytes(response.body)
-
-
 def _phrase(status: int) -> str:
     from http import HTTPStatus
 
@@ -219,64 +206,41 @@ def messages_whole(chat_body: bytes) -> tuple[int, bytes]:
 
 class MessagesStream:
     """A chat SSE stream in, native's Messages events out: vLLM's `message_stream_converter`
-    itself, stepped by hand. It is an async generator over the chat stream's lines that never
-    awaits anything but its input; `_Feed` suspends it when no line is queued, so each call
-    runs it exactly as far as the lines given let it, on the caller's stack."""
+    itself, stepped by hand (`stepped.py`), chunk by chunk."""
 
     def __init__(self) -> None:
         from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-        self._feed = _Feed()
-        self._events = AnthropicServingMessages.message_stream_converter(None, self._feed)  # type: ignore[arg-type]
-        self._pending: Any = None  # the converter's step waiting for input
-        self.done = False
+        converter = partial(AnthropicServingMessages.message_stream_converter, None)  # type: ignore[arg-type]
+        self._stepped: Stepped[str, str] = Stepped(converter)
+
+    @property
+    def done(self) -> bool:
+        return self._stepped.done
 
     def convert(self, payloads: list[bytes], end: bool = False) -> bytes:
         """Chat SSE payloads (`data:` values, `[DONE]` included) -> Messages SSE bytes."""
-        self._feed.lines.extend("data: " + p.decode() + "\n\n" for p in payloads)
-        self._feed.closed = self._feed.closed or end
-        out: list[str] = []
-        while not self.done:
-            if self._pending is None:
-                self._pending = self._events.__anext__()
-            try:
-                signal = self._pending.send(None)
-            except StopIteration as step:  # the converter yielded an event
-                self._pending = None
-                out.append(step.value)
-                continue
-            except StopAsyncIteration:
-                self._pending, self.done = None, True
-                break
-            if not isinstance(signal, _Suspend):
-                raise RuntimeError(f"the messages converter awaited {signal!r}")
-            break
-        return "".join(out).encode()
+        lines = ("data: " + p.decode() + "\n\n" for p in payloads)
+        return "".join(self._stepped.run(lines, end)).encode()
 
     def close(self) -> None:
-        """The answer ended early (the client left): the converter runs to its end on an input
-        that ends here (what it would still say is dropped), so it is never left suspended:
-        asyncio would try to close a suspended one itself, and fail loudly."""
-        if not self.done:
-            self.convert([], end=True)
+        self._stepped.close()
 
 
-class _Suspend:
-    def __await__(self) -> Generator[_Suspend, None, None]:
-        yield self
+class MessagesConversion:
+    """A Messages request's answer from its chat answer (`protocol.Conversion`)."""
+
+    def stream(self) -> MessagesStream:
+        return MessagesStream()
+
+    def whole(self, body: bytes) -> tuple[int, bytes]:
+        return messages_whole(body)
+
+    def error(self, status: int, body: bytes) -> bytes:
+        return anthropic_error(status, body)
 
 
-class _Feed(AsyncIterator[str]):
-    def __init__(self) -> None:
-        self.lines: deque[str] = deque()
-        self.closed = False
-
-    async def __anext__(self) -> str:
-        while not self.lines:
-            if self.closed:
-                raise StopAsyncIteration
-            await _Suspend()
-        return self.lines.popleft()
+MESSAGES = MessagesConversion()
 
 
 def family_of(handler: str | None) -> ApiFamily:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog
-from ext_proc.protocol import NOT_FOR_ENGINES, ApiFamily, ApiKind, OpenAIRequest
+from ext_proc.protocol import NOT_FOR_ENGINES, ApiFamily, ApiKind, Conversion, OpenAIRequest
 
 MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
@@ -34,9 +35,10 @@ def parse_request(
     catalog: ModelCatalog,
     vocab_size: int | None = None,
     family: ApiFamily = ApiFamily.OPENAI,
+    conversion: Conversion | None = None,
 ) -> OpenAIRequest:
-    request = OpenAIRequest(api=api, body=body, adapter=catalog.resolve(body.get("model")), family=family)
-    required = "messages" if api is ApiKind.CHAT else "prompt"
+    request = OpenAIRequest(api, body, catalog.resolve(body.get("model")), family, conversion)
+    required = {ApiKind.CHAT: "messages", ApiKind.COMPLETIONS: "prompt", ApiKind.RESPONSES: "input"}[api]
     if body.get(required) in (None, [], ""):
         raise GatewayError(
             400, f"'{required}' is a required property", param=required, code="missing_required_parameter"
@@ -77,3 +79,17 @@ def native_body(request: OpenAIRequest, raw: bytes) -> bytes:
     if any(key in request.body for key in NOT_FOR_ENGINES):
         return orjson.dumps(request.engine_body())
     return raw
+
+
+async def validation_error(exc: ValidationError) -> bytes:
+    """vLLM's own 400 for a body its request model refuses (FastAPI locates errors in `body`)."""
+    from types import SimpleNamespace
+
+    from fastapi.exceptions import RequestValidationError
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+    args = SimpleNamespace(log_error_stack=False)
+    caller = SimpleNamespace(headers={}, app=SimpleNamespace(state=SimpleNamespace(args=args)), state=SimpleNamespace())
+    response = await validation_exception_handler(caller, RequestValidationError(errors))  # type: ignore[arg-type]
+    return bytes(response.body)

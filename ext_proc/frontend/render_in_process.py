@@ -97,19 +97,24 @@ class InProcessRender:
         from fastapi.responses import JSONResponse
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        chat = api is ApiKind.CHAT
+        model: Any = {ApiKind.CHAT: ChatCompletionRequest, ApiKind.COMPLETIONS: CompletionRequest}.get(
+            api, ResponsesRequest
+        )
         try:
-            parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(orjson.loads(raw))
+            parsed = model.model_validate(orjson.loads(raw))
         except ValidationError as exc:
             return await self._invalid(exc)
         caller = self._caller(request_id)
         try:
-            if chat:
+            if api is ApiKind.CHAT:
                 result: Any = await self._serving.render_chat_request(parsed, caller)
-            else:
+            elif api is ApiKind.COMPLETIONS:
                 result = await self._serving.render_completion_request(parsed, caller)
+            else:  # the stateless Responses render takes no HTTP request (its id is the body's)
+                result = await self._serving.render_responses_request(parsed)
         except Exception as exc:  # what the sidecar's exception handlers answer (400 for bad input)
             from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
 

@@ -142,8 +142,8 @@ class TokenizationService:
                 record.rendered(started, "refused", reason)
             message = f"render is unavailable ({reason}) and token obfuscation allows no fallback"
             raise GatewayError(503, message, code="render_unavailable")
-        try:
-            ids = await self.local.token_ids(request)
+        try:  # (a Responses request has no local rendering: its engine renders it natively)
+            ids = [] if request.api is ApiKind.RESPONSES else await self.local.token_ids(request)
         except GatewayError:  # the request itself is refused (a client chat template)
             raise
         except Exception as exc:  # noqa: BLE001 - no ids is still a servable request (native path)

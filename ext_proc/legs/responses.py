@@ -3,8 +3,8 @@ bytes (no protos: the Envoy adapter wraps them).
 
 - `PassthroughResponse`: the engine's own response, untouched (native path, `/v1/models`);
 - `StreamResponse`: generate SSE through the streaming derender pipeline, chunk by chunk;
-- `MessagesResponse`: an Anthropic Messages request's answer: the chat answer any of the
-  others makes, converted as native vLLM converts it;
+- `ConvertedResponse`: an Anthropic Messages or OpenAI Responses request's answer: the
+  chat or completions answer any of the others makes, converted as native vLLM converts it;
 - `BufferedResponse`: a whole generate JSON (derendered once; streamed to a client that asked
   for a stream the engine answers whole), or an engine error (made an OpenAI error),
   collected under a size cap; an engine without token-only generate (403/404/501
@@ -25,9 +25,8 @@ from ext_proc.byte_budget import StreamBytes
 from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, StreamDerender
 from ext_proc.derender.streaming import DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError, error_body, normalize_error_body
-from ext_proc.frontend.anthropic_messages import MessagesStream, anthropic_error, messages_whole
-from ext_proc.planning.plan import Plan, TokenOnly, family
-from ext_proc.protocol import ApiFamily, OpenAIRequest, TokenizedRequest
+from ext_proc.planning.plan import Plan, TokenOnly, conversion
+from ext_proc.protocol import Conversion, OpenAIRequest, StreamConversion, TokenizedRequest
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -96,14 +95,14 @@ def handler_for(
         handler = StreamResponse(StreamDerender(PerTokenSteps(derender.stream(plan.tokenized))))
     else:
         handler = BufferedResponse(plan.tokenized, derender, held, cap, replay)
-    return MessagesResponse(handler) if family(plan) is ApiFamily.MESSAGES else handler
+    converted = conversion(plan)
+    return handler if converted is None else ConvertedResponse(handler, converted)
 
 
 def refusal(plan: Plan | None, error: GatewayError) -> Refuse:
     """The gateway's error as the whole answer, in the envelope of the client's API."""
-    if family(plan) is ApiFamily.MESSAGES:
-        return Refuse(error.status, anthropic_error(error.status, error.body))
-    return Refuse(error.status, error.body)
+    converted = conversion(plan)
+    return Refuse(error.status, error.body if converted is None else converted.error(error.status, error.body))
 
 
 class PassthroughResponse:
@@ -227,16 +226,17 @@ class BufferedResponse:
         yield Chunk(body, end)
 
 
-class MessagesResponse:
-    """The chat answer the inner handler makes, as native's Messages answer: a stream through
-    vLLM's stream converter, a whole answer (held until complete: its status may change)
-    through its whole converter, errors in Anthropic's envelope."""
+class ConvertedResponse:
+    """The inner API's answer the inner handler makes, as native's answer in the client's API
+    (`protocol.Conversion`): a stream through the stream converter, a whole answer (held until
+    complete: its status may change) through the whole converter, errors in its envelope."""
 
-    def __init__(self, inner: ResponseHandler) -> None:
+    def __init__(self, inner: ResponseHandler, conversion: Conversion) -> None:
         self._inner = inner
+        self._conversion = conversion
         self._engine = (200, JSON)  # the engine's status and content type
         self._head: Head | None = None  # a whole answer's, sent with its body
-        self._stream: MessagesStream | None = None
+        self._stream: StreamConversion | None = None
         self._framer = SSEFramer()
         self._pieces: list[bytes] = []
 
@@ -273,20 +273,20 @@ class MessagesResponse:
             self._stream.close()
 
     def interrupted(self, error: GatewayError) -> Chunk | Refuse:
-        """As the chat stream would have ended, converted."""
+        """As the inner stream would have ended, converted."""
         out = self._inner.interrupted(error)
         if isinstance(out, Refuse) or self._stream is None:
-            return Refuse(error.status, anthropic_error(error.status, error.body))
+            return Refuse(error.status, self._conversion.error(error.status, error.body))
         return Chunk(self._stream.convert(self._framer.feed(out.data), end=True), True)
 
     def _convert(self, out: Out) -> list[Out]:
         if isinstance(out, Refuse):
-            return [Refuse(out.status, anthropic_error(out.status, out.body))]
+            return [Refuse(out.status, self._conversion.error(out.status, out.body))]
         if isinstance(out, Head):
             status = out.status if out.status is not None else self._engine[0]
             content_type = out.content_type if out.content_type is not None else self._engine[1]
             if status == 200 and content_type.startswith(SSE):
-                self._stream = MessagesStream()
+                self._stream = self._conversion.stream()
                 return [Head(out.status, out.content_type)]  # the body changes: no content-length
             self._head = Head(status, JSON)
             return []
@@ -301,7 +301,10 @@ class MessagesResponse:
         body, self._pieces = b"".join(self._pieces), []
         status = self._head.status if self._head is not None and self._head.status is not None else self._engine[0]
         self._head = None
-        status, body = messages_whole(body) if status == 200 else (status, anthropic_error(status, body))
+        if status == 200:
+            status, body = self._conversion.whole(body)
+        else:
+            body = self._conversion.error(status, body)
         return [Head(status, JSON), Chunk(body, end)]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ext_proc.protocol import ApiFamily, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Conversion, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Role
 
 
@@ -122,13 +122,13 @@ def pinned(plan: Plan, addresses: set[str]) -> Plan:
     return plan
 
 
-def family(plan: Plan | None) -> ApiFamily:
-    """The API the client speaks (Messages answers are converted on the way out)."""
+def conversion(plan: Plan | None) -> Conversion | None:
+    """How the client's answer is made from the inner API's (Messages, Responses), if it is."""
     if isinstance(plan, Native):
-        return plan.request.family
+        return plan.request.conversion
     if isinstance(plan, TokenOnly | Owned):
-        return plan.tokenized.request.family
-    return ApiFamily.OPENAI
+        return plan.tokenized.request.conversion
+    return None
 
 
 def routed(plan: Plan | None) -> tuple[str | None, tuple[str, ...]]:

@@ -32,7 +32,7 @@ from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
 from ext_proc.planning.stream_interval import stream_interval
-from ext_proc.protocol import Adapter, ApiFamily, ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Adapter, ApiFamily, ApiKind, Conversion, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
@@ -70,12 +70,21 @@ class Planner:
         return None
 
     async def plan(
-        self, api: ApiKind, body: dict[str, Any], raw: bytes, request_id: str, family: ApiFamily = ApiFamily.OPENAI
+        self,
+        api: ApiKind,
+        body: dict[str, Any],
+        raw: bytes,
+        request_id: str,
+        family: ApiFamily = ApiFamily.OPENAI,
+        conversion: Conversion | None = None,
+        inside: Callable[[TokenizedRequest], TokenizedRequest] | None = None,
     ) -> Plan:
-        """`body`: `raw` parsed (a JSON object), whose `model` is this planner's base model's."""
+        """`body`: `raw` parsed (a JSON object), whose `model` is this planner's base model's.
+        `inside`: the rendered request as the one the gateway serves (Responses: completions;
+        a native leg then gets that request too)."""
         try:
             model = self._config.model
-            request = parse_request(api, body, self.catalog, vocab_size(model.path), family)
+            request = parse_request(api, body, self.catalog, vocab_size(model.path), family, conversion)
             if request.echo and self._config.derender.mode == "sidecar":
                 raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
             if (record := current()) is not None:  # admission, metrics and stage lines per model
@@ -84,6 +93,9 @@ class Planner:
             tokenized = with_adapter(
                 await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)
             )
+            if inside is not None and tokenized.complete:
+                tokenized = inside(tokenized)
+                raw = orjson.dumps(tokenized.request.body)
         except GatewayError as error:
             return Local(error.status, error.body)
         record, started = current(), time.perf_counter()

@@ -13,7 +13,8 @@ code) are compared, in the body or as a stream's in-band error event.
 
 `tito conformance --gateway URL --native URL --model NAME [--only SUBSTRING] [--api ...]` prints
 one line per case and exits non-zero on any difference; the e2e tests run the same cases. The
-Anthropic Messages cases are `messages_conformance.py`'s.
+Anthropic Messages cases are `messages_conformance.py`'s, OpenAI Responses cases
+`responses_conformance.py`'s.
 """
 
 from __future__ import annotations
@@ -938,12 +939,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-differences", type=int, default=MAX_REPORTED, help="differences shown per case")
     parser.add_argument(
         "--api",
-        choices=("openai", "messages", "all"),
+        choices=("openai", "messages", "responses", "all"),
         default="all",
-        help="OpenAI chat/completions, Anthropic Messages",
+        help="OpenAI chat/completions, Anthropic Messages, OpenAI Responses",
     )
     args = parser.parse_args(argv)
     from ext_proc.tools import messages_conformance as messages
+    from ext_proc.tools import responses_conformance as responses
 
     runs: list[Callable[..., CaseResult]] = []
     if args.api in ("openai", "all"):
@@ -956,6 +958,12 @@ def main(argv: list[str] | None = None) -> int:
         runs += [
             partial(messages.run_case, c, args.gateway, args.native, args.model, max_reported=args.max_differences)
             for c in chosen
+        ]
+    if args.api in ("responses", "all"):
+        picked = [c for c in responses.CASES if not args.only or args.only in c.name]
+        runs += [
+            partial(responses.run_case, c, args.gateway, args.native, args.model, max_reported=args.max_differences)
+            for c in picked
         ]
     if not runs:
         print(f"no case matches {args.only!r}", file=sys.stderr)

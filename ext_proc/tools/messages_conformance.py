@@ -260,7 +260,7 @@ HAS_THINKING = _has_block("thinking")
 # Greedy JSON from a random-weight model pads with whitespace until max_tokens, so a forced
 # call never completes on the real engine (Messages has no seed to sample one): a stream opens
 # its tool_use block as the call starts, a whole answer keeps the unfinished call as text.
-# Complete calls, whole and streamed: tests/integration/test_messages.py, on scripted tokens.
+# Complete calls, whole and streamed: tests/integration/test_more_apis.py, on scripted tokens.
 STREAMED_TOOL_USE = Expect(
     "a tool_use block when streamed",
     lambda a: "events" not in a.normalized or any(b["type"] == "tool_use" for b in a.normalized["content"]),

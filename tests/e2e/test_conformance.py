@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS
-from ext_proc.tools import messages_conformance
+from ext_proc.tools import messages_conformance, responses_conformance
 from ext_proc.tools.conformance import (
     CASES,
     SPECS,
@@ -28,6 +28,7 @@ from ext_proc.tools.conformance import (
     run_case,
 )
 from ext_proc.tools.messages_conformance import MessagesCase
+from ext_proc.tools.responses_conformance import ResponsesCase
 from tests.conftest import RealGateway, RunningStack, start_real_gateway
 
 MODES = ("in_process", "sidecar")
@@ -197,6 +198,56 @@ def test_messages_answer_equals_native_vllm_messages(
         case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client
     )
     assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", responses_conformance.CASES, ids=lambda case: case.name)
+def test_responses_answer_equals_native_vllm_responses(
+    case: ResponsesCase,
+    mode: str,
+    stack: RunningStack,
+    request: pytest.FixtureRequest,
+    conformance_client: httpx.Client,
+) -> None:
+    """OpenAI Responses: rendered as such, completions inside, answered by vLLM's own code."""
+    gateway_url = _gateway_url(mode, request)
+    result = responses_conformance.run_case(
+        case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client
+    )
+    assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+
+
+@pytest.mark.parametrize("name", ["text", "thinking", "tool-calls", "json-format"])
+def test_the_official_openai_client_reads_responses_from_the_gateway_as_native(name: str, stack: RunningStack) -> None:
+    """What the `openai` SDK's `responses` API makes of both answers, whole and streamed."""
+    import openai
+
+    spec = next(b for n, b, _ in responses_conformance.SPECS if n == name)
+    sdk = {"input", "instructions", "max_output_tokens", "temperature", "tools", "tool_choice", "text"}
+    body = {k: v for k, v in spec.items() if k in sdk}
+    body["extra_body"] = {k: v for k, v in spec.items() if k not in sdk}  # vLLM's own fields
+    model = stack.config.model.served_name
+
+    def answers(base_url: str) -> list[dict[str, Any]]:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        whole = client.responses.create(model=model, **body)
+        with client.responses.stream(model=model, **body) as stream:
+            events = [event.type for event in stream]
+            streamed = stream.get_final_response()
+        assert events[0] == "response.created" and events[-1] == "response.completed"
+        return [_sdk_response(whole), _sdk_response(streamed)]
+
+    assert answers(stack.base_url) == answers(stack.engine_url)
+
+
+def _sdk_response(response: Any) -> dict[str, Any]:
+    """The SDK's response less its random values (ids, creation time, cached tokens)."""
+    dumped: dict[str, Any] = response.model_dump(exclude={"id", "created_at"})
+    for item in dumped["output"]:
+        item.pop("id", None)
+        item.pop("call_id", None)
+    dumped["usage"]["input_tokens_details"].pop("cached_tokens", None)
+    return dumped
 
 
 @pytest.mark.parametrize("name", ["text", "thinking", "tool-named", "stop-sequence"])

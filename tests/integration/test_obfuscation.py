@@ -28,6 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something, 東京 🐉"}], "max_tokens": 12}
 COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 12, "logprobs": 2}
 MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Say something, 東京 🐉"}], "max_tokens": 12}
+RESPONSES = {"model": "tiny", "input": "Say something, 東京 🐉", "max_output_tokens": 12}
 CASES = {
     "chat": ("/v1/chat/completions", CHAT),
     "chat-stream": ("/v1/chat/completions", {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 2}),
@@ -41,6 +42,9 @@ CASES = {
     # Anthropic Messages are chat inside the gateway: obfuscated as chat is
     "messages": ("/v1/messages", MESSAGES),
     "messages-stream": ("/v1/messages", {**MESSAGES, "stream": True}),
+    # OpenAI Responses are rendered as such and are completions inside: obfuscated as those are
+    "responses": ("/v1/responses", RESPONSES),
+    "responses-stream": ("/v1/responses", {**RESPONSES, "stream": True}),
 }
 
 
@@ -62,7 +66,8 @@ class Pair:
             {"method": "POST", "path": "/v1/chat/completions", "handler": "chat"},
             {"method": "POST", "path": "/v1/completions", "handler": "completions"},
             {"method": "POST", "path": "/v1/messages", "handler": "messages"},
-            {"method": "POST", "path": "/v1/responses", "handler": "passthrough"},
+            {"method": "POST", "path": "/v1/responses", "handler": "responses"},
+            {"method": "POST", "path": "/v1/embeddings", "handler": "passthrough"},
             {"method": "GET", "path": "/v1/models", "handler": "passthrough"},
         ]
         self.obfuscated, servers = start_sim_gateway(
@@ -111,10 +116,14 @@ def _visible(response: httpx.Response) -> Any:
     assert response.status_code == 200, response.text
     if not response.headers["content-type"].startswith("text/event-stream"):
         answer = response.json()
-        answer.pop("id"), answer.pop("created", None)
+        answer.pop("id"), answer.pop("created", None), answer.pop("created_at", None)
         for block in answer.get("content") or []:  # Messages: thinking signatures are random
             block.pop("signature", None)
+        for item in answer.get("output") or []:  # Responses: item ids are random
+            item.pop("id", None)
         return answer
+    if response.text.startswith("event: response."):  # OpenAI Responses events
+        return _visible_responses(response.text)
     if response.text.startswith("event:"):  # Anthropic Messages events
         return _visible_messages(response.text)
     events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
@@ -144,6 +153,20 @@ def _visible_messages(text: str) -> dict[str, Any]:
         elif data["type"] == "message_delta":
             merged["stop_reason"], merged["usage"] = delta["stop_reason"], data["usage"]
     assert data["type"] == "message_stop"
+    return merged
+
+
+def _visible_responses(text: str) -> dict[str, Any]:
+    merged: dict[str, Any] = {"text": "", "status": None, "usage": None}
+    for event in text.split("\n\n"):
+        if not event:
+            continue
+        data = orjson.loads(event.split("\ndata: ", 1)[1])
+        if data["type"].endswith(".delta"):
+            merged["text"] += data["delta"]
+        elif data["type"] == "response.completed":
+            merged["status"], merged["usage"] = data["response"]["status"], data["response"]["usage"]
+    assert data["type"] == "response.completed"
     return merged
 
 
@@ -184,7 +207,7 @@ def test_render_down_is_a_503_and_the_local_tokenizer_is_never_loaded(gw: Pair) 
     assert gw.obfuscated.sims[0].received == []
 
 
-@pytest.mark.parametrize("path", ["/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/embeddings"])
 def test_text_apis_an_engine_would_tokenize_itself_are_501(gw: Pair, path: str) -> None:
     response = _post(gw.obfuscated, path, {"model": "tiny", "input": "hi"})
     assert response.status_code == 501, response.text

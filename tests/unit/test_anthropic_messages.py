@@ -204,10 +204,13 @@ async def _outs(handler: Any, trailers: bool = False) -> list[Any]:
 
 
 def test_the_messages_response_converts_streams_whole_answers_and_errors() -> None:
-    from ext_proc.legs.responses import Chunk, Head, MessagesResponse
+    from ext_proc.frontend.anthropic_messages import MESSAGES
+    from ext_proc.legs.responses import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(1)))
-    streamed = asyncio.run(_outs(MessagesResponse(_Inner([Head(), Chunk(sse[:50], False), Chunk(sse[50:], True)]))))
+    streamed = asyncio.run(
+        _outs(ConvertedResponse(_Inner([Head(), Chunk(sse[:50], False), Chunk(sse[50:], True)]), MESSAGES))
+    )
     assert streamed[0] == Head() and streamed[-1].end
     text = b"".join(o.data for o in streamed[1:]).decode()
     assert text.startswith("event: message_start") and text.endswith(
@@ -220,16 +223,20 @@ def test_the_messages_response_converts_streams_whole_answers_and_errors() -> No
     chat = {**BASE, "object": "chat.completion", "choices": choices, "usage": usage}
     # a whole answer waits for its end, here the trailers, and leaves with its own headers
     whole = asyncio.run(
-        _outs(MessagesResponse(_Inner([Head(200, "application/json"), Chunk(orjson.dumps(chat), False)])), True)
+        _outs(
+            ConvertedResponse(_Inner([Head(200, "application/json"), Chunk(orjson.dumps(chat), False)]), MESSAGES), True
+        )
     )
     assert whole[0] == Head(200, "application/json") and not whole[1].end
     assert orjson.loads(whole[1].data)["content"] == [{"type": "text", "text": "Hi"}]
 
     error = GatewayError(429, "over budget", code="token_budget_exceeded")
-    refused = asyncio.run(_outs(MessagesResponse(_Inner([Head(429, "application/json"), Chunk(error.body, True)]))))
+    refused = asyncio.run(
+        _outs(ConvertedResponse(_Inner([Head(429, "application/json"), Chunk(error.body, True)]), MESSAGES))
+    )
     assert refused[0].status == 429 and orjson.loads(refused[1].data)["type"] == "error"
 
-    interrupted = MessagesResponse(_Inner([Head(), Chunk(sse[:200], False)]))
+    interrupted = ConvertedResponse(_Inner([Head(), Chunk(sse[:200], False)]), MESSAGES)
     asyncio.run(_outs(interrupted))
     last = interrupted.interrupted(GatewayError(503, "the gateway is shutting down", code="draining"))
     assert last.end and b"event: error" in last.data and interrupted.done
@@ -297,14 +304,15 @@ def test_an_answer_left_mid_stream_is_closed_not_left_for_asyncio_to_fail_on(clo
     generator is already running", logged as an error): the control shows it."""
     import gc
 
-    from ext_proc.legs.responses import Chunk, Head, MessagesResponse
+    from ext_proc.frontend.anthropic_messages import MESSAGES
+    from ext_proc.legs.responses import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(2))[:3])
     failures: list[Any] = []
 
     async def run() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda _, context: failures.append(context))
-        handler = MessagesResponse(_Inner([Head(), Chunk(sse, False)]))
+        handler = ConvertedResponse(_Inner([Head(), Chunk(sse, False)]), MESSAGES)
         await _outs(handler)
         if closed:
             handler.close()

@@ -79,6 +79,7 @@ def test_bootstrap_has_the_measured_settings() -> None:
         ("/v1/completions", "POST"),
         ("/v1/messages", "POST"),
         ("/v1/messages/count_tokens", "POST"),
+        ("/v1/responses", "POST"),
         ("/v1/models", "GET"),
         ("/health", "GET"),
     }

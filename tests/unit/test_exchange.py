@@ -210,9 +210,9 @@ async def test_passthrough_plan_takes_no_lease_and_forwards_only_allowed_headers
 async def test_a_passthrough_post_forwards_its_body_unchanged(engines: Engines) -> None:
     services = _services(engines)
     exchange = Exchange(services)
-    route = {"method": "POST", "path": "/v1/responses", "handler": "passthrough"}
+    route = {"method": "POST", "path": "/v1/audio/transcriptions", "handler": "passthrough"}
     services.config.listener.routes.append(PublicRoute.model_validate(route))
-    [headers_reply] = await _run(exchange, _headers("/v1/responses", "POST"))
+    [headers_reply] = await _run(exchange, _headers("/v1/audio/transcriptions", "POST"))
     assert headers_reply.HasField("request_headers") and not exchange.answered
     first = await _run(exchange, _body(b'{"model": ', end=False))
     assert first[0].request_body.response.body_mutation.streamed_response.body == b'{"model": '

@@ -1,16 +1,19 @@
-"""Anthropic Messages through real Envoy and the real render sidecar, over engine simulators,
-with the official `anthropic` client: a Messages request is a chat request inside the gateway,
-so admission, prefix affinity and relay apply to it as to chat, and what it refuses comes in
-Anthropic's envelope. (Equality with native vLLM's `/v1/messages`, on a real engine:
-`tests/e2e/test_conformance.py`.)"""
+"""Anthropic Messages and OpenAI Responses through real Envoy and the real render sidecar, over
+engine simulators, with the official `anthropic` and `openai` clients: a Messages request is a
+chat request inside the gateway, a Responses request a completions request once rendered, so
+admission, prefix affinity and relay apply to them as to chat and completions, and what they
+refuse comes in their API's envelope. (Equality with native vLLM's `/v1/messages` and
+`/v1/responses`, on a real engine: `tests/e2e/test_conformance.py`.)"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway
@@ -141,3 +144,92 @@ def test_scripted_tool_calls_are_tool_use_blocks_whole_and_streamed(gw: SimGatew
             ("tool_use", "get_weather", {"city": "東京 🗼"}),
         ]
     assert ("content_block_delta", "input_json_delta") in kinds
+
+
+# -- OpenAI Responses ------------------------------------------------------------------------
+
+
+def _responses(gw: SimGateway) -> Any:
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0, timeout=30).responses
+
+
+def test_responses_share_prefix_affinity(gw: SimGateway) -> None:
+    for n in range(5):  # one after the other: no load anywhere, only the cache differs
+        response = _responses(gw).create(model="tiny", instructions=SYSTEM, input=f"question {n}?", max_output_tokens=8)
+        assert response.status == "incomplete" and response.usage is not None and response.usage.output_tokens == 8
+    landed = [n for n, sim in enumerate(gw.sims) for _ in sim.generate_requests()]
+    assert len(landed) == 5 and len(set(landed)) == 1, landed
+
+
+def test_responses_admission_refuses_beyond_the_budget(gw: SimGateway) -> None:
+    with pytest.raises(openai.RateLimitError) as refused:
+        _responses(gw).create(model="tiny", input="hello", max_output_tokens=BUDGET)
+    assert refused.value.status_code == 429
+    assert all(sim.generate_requests() == [] for sim in gw.sims)
+    assert gw.state()["scheduler"]["total_active_tokens"] == 0
+
+
+def test_a_responses_stream_relayed_to_another_engine_is_one_whole_stream(gw: SimGateway) -> None:
+    fault = Fault("abort", after_tokens=5, times=1)  # the first engine stream, wherever it goes
+    for sim in gw.sims:
+        sim.fault = fault
+    relays = metric(gw.metrics(), "tito_relays_total")
+    body = {"model": "tiny", "input": "relay me", "max_output_tokens": 16}
+    with _responses(gw).stream(**body) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert events[0] == "response.created" and events[-1] == "response.completed" and "error" not in events
+    calls = sorted(
+        ((sim.address, r.json()["token_ids"]) for sim in gw.sims for r in sim.generate_requests()),
+        key=lambda c: len(c[1]),
+    )
+    assert len(calls) == 2 and calls[0][0] != calls[1][0]
+    assert metric(gw.metrics(), "tito_relays_total") == relays + 1
+    assert streamed.usage is not None and streamed.usage.output_tokens == 16 and streamed.status == "incomplete"
+    # the answer is what one engine emitting those 16 ids gives, whole
+    (_, prompt), (_, continued) = calls
+    ids = continued[len(prompt) :] + gw.sims[0].script(continued, 11)
+    for sim in gw.sims:
+        sim.tokens, sim.fault = ids, None
+    whole = _responses(gw).create(**body)
+    assert whole.output_text == streamed.output_text and whole.usage == streamed.usage
+
+
+def test_responses_refuse_what_needs_a_store_as_native_does(gw: SimGateway) -> None:
+    url = gw.base_url + "/v1/responses"
+    previous = httpx.post(url, json={"model": "tiny", "input": "hi", "previous_response_id": "resp_1"}, timeout=10)
+    assert previous.status_code == 404
+    assert previous.json()["error"]["message"] == "Response with id 'resp_1' not found."
+    background = httpx.post(url, json={"model": "tiny", "input": "hi", "background": True}, timeout=10)
+    assert background.status_code == 400 and background.json()["error"]["param"] == "background"
+    with pytest.raises(openai.NotFoundError):
+        _responses(gw).create(model="no-such-model", input="hi")
+    assert httpx.get(url + "/resp_1", timeout=10).status_code == 404
+    assert all(sim.generate_requests() == [] for sim in gw.sims)
+
+
+def test_scripted_tool_calls_are_function_call_items_whole_and_streamed(gw: SimGateway, stack: RunningStack) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack.model_path)
+    for sim in gw.sims:
+        sim.tokens, sim.finish_reason = [int(t) for t in tokenizer.encode(CALLS + "<|im_end|>")], "stop"
+    tool = {"type": "function", "name": "get_weather", "parameters": TOOL["input_schema"]}
+    body = {
+        "model": "tiny",
+        "input": "weather?",
+        "max_output_tokens": 200,
+        "tools": [tool],
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    whole = _responses(gw).create(**body)
+    with _responses(gw).stream(**body) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        calls = [(item.type, item.name, item.arguments) for item in response.output]  # type: ignore[union-attr]
+        assert [(t, n, json.loads(a)) for t, n, a in calls] == [
+            ("function_call", "get_weather", {"city": "Paris"}),
+            ("function_call", "get_weather", {"city": "東京 🗼"}),
+        ]
+    assert "response.function_call_arguments.delta" in kinds

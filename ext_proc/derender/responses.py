@@ -1,0 +1,287 @@
+"""OpenAI Responses answers, made as native vLLM makes them, from a completions answer.
+
+Inside the gateway a Responses request is a completions request once rendered (`inside`):
+its prompt is render's ids, its sampling parameters render's, and it asks for the output ids
+and the usage. Everything between render and the client is then completions': admission,
+scheduling, P/D, relay, obfuscation and derender (the engine's detokenizer, stop strings).
+What native adds on top is per step: the reasoning and tool parser's `parse_delta`, then
+`split_delta` and the event processor, framed by `response.created` ... `response.completed`.
+The gateway runs exactly that code: vLLM's own `responses_stream_generator` and
+`responses_full_generator`, on an `OpenAIServingResponses` made without an engine, fed with
+one `RequestOutput` per completions step (text, ids, finish) through a `SimpleContext`, as
+native's engine loop feeds them (`frontend/stepped.py` runs the generator by hand).
+
+The completions stream keeps one chunk per engine step for these requests (no merging, see
+`in_process.py`), so the parser sees native's steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+
+from ext_proc.derender.in_process import DerenderModel
+from ext_proc.derender.streaming import DONE
+from ext_proc.errors import GatewayError
+from ext_proc.frontend.stepped import Stepped, run_coroutine
+from ext_proc.protocol import DEFAULT_MAX_TOKENS, ApiFamily, ApiKind, OpenAIRequest, TokenizedRequest
+
+log = logging.getLogger("tito.responses")
+
+# Render's sampling parameters a completions request takes under the same name (an engine
+# without token-only generate gets the request on its native completions endpoint).
+_COMPLETION_PARAMS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "structured_outputs",
+)
+# SamplingParams' defaults, for the fields the answer echoes (render leaves defaults out)
+_ECHOED = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logprobs": None,
+}
+
+
+class ResponsesServing:
+    """One base model's Responses answers: vLLM's `OpenAIServingResponses` without an engine
+    (only its answer-making methods run), the derender model's tokenizer and parser class."""
+
+    def __init__(self, model: DerenderModel, max_model_len: int) -> None:
+        from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+        self.model = model
+        self._max_model_len = max_model_len
+        serving = object.__new__(OpenAIServingResponses)
+        vars(serving).update(
+            use_harmony=False,
+            enable_store=False,
+            enable_log_outputs=False,
+            request_logger=None,
+            enable_auto_tools=model.enable_auto_tools,
+            enable_per_request_metrics=False,
+            return_tokens_as_token_ids=False,
+            tool_server=None,
+            parser=model.parser_cls,
+            response_store={},
+            response_store_lock=asyncio.Lock(),
+        )
+        self.serving = serving
+
+    def inside(self, tokenized: TokenizedRequest, client: Any) -> TokenizedRequest:
+        """A rendered Responses request as the completions request the gateway serves; the
+        engine is asked for the usage at the end of a stream (its cached tokens)."""
+        prompt = tokenized.prompts[0]
+        if len(prompt.token_ids) >= self._max_model_len:  # native's `_validate_generator_input`
+            message = (
+                f"The engine prompt length {len(prompt.token_ids)} exceeds the max_model_len "
+                f"{self._max_model_len}. Please reduce prompt."
+            )
+            raise GatewayError(400, message, param="input", code=400, kind="invalid_request_error")
+        for generate in (prompt.generate_request, prompt.engine_request):
+            if generate is not None and tokenized.stream:
+                generate["stream_options"] = {"include_usage": True}
+        params = prompt.sampling_params
+        body: dict[str, Any] = {k: params[k] for k in _COMPLETION_PARAMS if params.get(k) is not None}
+        body.update(model=tokenized.request.model, prompt=prompt.token_ids, return_token_ids=True)
+        if tokenized.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        model_name = tokenized.request.response_model(self.model.served_name)
+        answer = ResponsesAnswer(self, client, prompt.token_ids, params, model_name)
+        request = OpenAIRequest(ApiKind.COMPLETIONS, body, tokenized.request.adapter, ApiFamily.RESPONSES, answer)
+        return replace(tokenized, request=request)
+
+
+class ResponsesAnswer:
+    """One Responses request's answer from its completions answer (`protocol.Conversion`)."""
+
+    def __init__(
+        self, serving: ResponsesServing, client: Any, prompt_ids: list[int], params: dict[str, Any], model_name: str
+    ) -> None:
+        self._serving = serving
+        self.client = client  # vLLM's ResponsesRequest
+        self.prompt_ids = prompt_ids
+        self.sampling = SimpleNamespace(**{k: params.get(k, default) for k, default in _ECHOED.items()})
+        self.model_name = model_name
+
+    def context(self) -> Any:
+        """Native's `SimpleContext`, with the request's own parser primed with the prompt."""
+        from vllm.entrypoints.openai.responses.context import SimpleContext
+
+        model = self._serving.model
+        parser = None
+        if model.parser_cls is not None:
+            kwargs = self.client.build_chat_params(model.chat_template, "auto").chat_template_kwargs
+            parser = model.parser_cls(
+                model.tokenizer, self.client.tools, chat_template_kwargs=kwargs, model_config=None
+            )
+            parser.set_prompt_token_ids(self.prompt_ids)
+        return SimpleContext(response_parser=parser)
+
+    def output(self, choice: dict[str, Any], cached_tokens: int = 0) -> Any:
+        """One completions choice (a step, or the whole answer) as the engine's RequestOutput."""
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        finish = choice.get("finish_reason")
+        completion = CompletionOutput(
+            index=0,
+            text=choice.get("text") or "",
+            token_ids=list(choice.get("token_ids") or []),
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=finish,
+            stop_reason=choice.get("stop_reason"),
+        )
+        return RequestOutput(
+            request_id=self.client.request_id,
+            prompt=None,
+            prompt_token_ids=self.prompt_ids,
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=finish is not None,
+            num_cached_tokens=cached_tokens,
+        )
+
+    def generator_args(self, context: Any, created: int) -> tuple[Any, ...]:
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+        metadata = RequestResponseMetadata(request_id=self.client.request_id)
+        return (self.sampling, context, self.model_name, self._serving.model.tokenizer, metadata, created)
+
+    def stream(self) -> ResponsesStream:
+        return ResponsesStream(self)
+
+    def whole(self, body: bytes) -> tuple[int, bytes]:
+        """A whole completions answer as native's whole Responses answer."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        try:
+            completion = orjson.loads(body)
+            context = self.context()
+            context.append_output(self.output(completion["choices"][0], _cached_tokens(completion.get("usage"))))
+            sampling, *rest = self.generator_args(context, int(time.time()))
+            serving = self._serving.serving
+            answer = run_coroutine(serving.responses_full_generator(self.client, sampling, _nothing(), *rest))
+        except Exception as exc:  # noqa: BLE001 - the client gets a clear error, the log the cause
+            log.exception("responses answer failed for %s", self.client.request_id)
+            error = GatewayError(500, f"derender failed: {exc!r}", code="derender_failed")
+            return error.status, error.body
+        if isinstance(answer, ErrorResponse):
+            return answer.error.code, orjson.dumps(answer.model_dump(mode="json", by_alias=True))
+        return 200, orjson.dumps(answer.model_dump(mode="json", by_alias=True))
+
+    def error(self, status: int, body: bytes) -> bytes:
+        return body  # native's Responses errors are OpenAI's
+
+
+class _Usage:
+    """The end of a completions stream: its usage (the engine's cached tokens)."""
+
+    def __init__(self, cached_tokens: int) -> None:
+        self.cached_tokens = cached_tokens
+
+
+class ResponsesStream:
+    """A completions stream in, native's Responses events out (`protocol.StreamConversion`)."""
+
+    def __init__(self, answer: ResponsesAnswer) -> None:
+        self._answer = answer
+        self._context = answer.context()
+        serving, client = answer._serving.serving, answer.client
+        args = answer.generator_args(self._context, int(time.time()))
+
+        def events(steps: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            return serving.responses_stream_generator(client, args[0], self._contexts(steps), *args[1:])
+
+        self._stepped: Stepped[Any, Any] = Stepped(events)
+        self._sent = 0  # events so far: the next one's sequence number
+
+    async def _contexts(self, steps: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Native's engine loop: each output appended to the context, the context yielded."""
+        async for step in steps:
+            if isinstance(step, _Usage):
+                self._context.num_cached_tokens = step.cached_tokens
+                continue
+            self._context.append_output(step)
+            yield self._context
+
+    def convert(self, payloads: list[bytes], end: bool = False) -> bytes:
+        steps: list[Any] = []
+        error: dict[str, Any] | None = None
+        for payload in payloads:
+            if payload == DONE:
+                end = True
+                continue
+            chunk = orjson.loads(payload)
+            if isinstance(chunk.get("error"), dict):  # the stream's end: an error instead of the rest
+                error, end = chunk["error"], True
+                break
+            steps += [self._answer.output(choice) for choice in chunk.get("choices") or []]
+            if chunk.get("usage") is not None and not chunk.get("choices"):
+                steps.append(_Usage(_cached_tokens(chunk["usage"])))
+        out = self._frames(self._stepped.run(steps))
+        if error is not None:
+            self._stepped.close()  # what native would still say after an error is not said
+            return out + self._error_frame(error)
+        return out + (self._frames(self._stepped.run([], end=True)) if end else b"")
+
+    def close(self) -> None:
+        self._stepped.close()
+
+    def _frames(self, events: list[Any]) -> bytes:
+        """As native's route frames them (`_convert_stream_to_sse_events`)."""
+        self._sent += len(events)
+        return "".join(
+            f"event: {getattr(e, 'type', 'unknown')}\ndata: {e.model_dump_json(indent=None, by_alias=True)}\n\n"
+            for e in events
+        ).encode()
+
+    def _error_frame(self, error: dict[str, Any]) -> bytes:
+        """The stream's error event (OpenAI's `ResponseErrorEvent`), after what was sent."""
+        code = error.get("code")
+        event = {
+            "type": "error",
+            "code": None if code is None else str(code),
+            "message": str(error.get("message") or ""),
+            "param": error.get("param"),
+            "sequence_number": self._sent,
+        }
+        self._sent += 1
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def _cached_tokens(usage: Any) -> int:
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    return int((details or {}).get("cached_tokens") or 0)
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield

@@ -1,0 +1,71 @@
+"""OpenAI Responses (`/v1/responses`) requests: the stateless subset native vLLM serves
+without a response store (`VLLM_ENABLE_RESPONSES_API_STORE` unset, its default).
+
+The body is parsed with vLLM's own `ResponsesRequest` (a body it refuses gets native's
+validation error), refused where native refuses it without a store, and named with the
+gateway's id; render (`/v1/responses/render`) then makes its prompt, and the answer is made
+as native makes it (`derender/responses.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from ext_proc.errors import GatewayError
+from ext_proc.extras import PROCESSOR, require
+from ext_proc.frontend.openai_api import validation_error
+
+NO_STORE = (
+    "This vLLM engine does not support `store=True` and therefore does not support the background mode. "
+    "To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` "
+    "when launching the vLLM server."
+)
+BUILT_IN_TOOLS = "built-in tools ({}) are not served through the gateway: only function tools are"
+NO_LOGPROBS = "output logprobs (include: message.output_text.logprobs) are not served through the gateway yet"
+
+
+async def responses_request(raw: bytes, request_id: str) -> Any:
+    """vLLM's model of the request body, named `resp_<request id>`; a GatewayError with
+    native's status and body when native would refuse it. (Parsed from the bytes: vLLM's
+    model turns the input items of a dict it validates into objects, in place.)"""
+    require("the Responses API (vLLM's request model)", PROCESSOR, "vllm")
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    try:
+        request = ResponsesRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise GatewayError(400, "invalid request", body=await validation_error(exc)) from exc
+    request.request_id = f"resp_{request_id}"
+    _refuse_stateful(request)
+    built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
+    if built_in:
+        raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
+    if request.is_include_output_logprobs():  # refused, rather than answered without them
+        raise GatewayError(400, NO_LOGPROBS, param="include", code="unsupported_parameter")
+    request.store = False  # as native without a store: silently not stored
+    return request
+
+
+def _refuse_stateful(request: Any) -> None:
+    """What needs a store, refused in native's order and words (`_validate_create_responses_input`,
+    then the lookup of the previous response in an empty store)."""
+    if request.store and request.background:
+        raise _native(400, NO_STORE, "background")
+    if request.previous_input_messages and request.previous_response_id:
+        message = "Only one of `previous_input_messages` and `previous_response_id` can be set."
+        raise _native(400, message, "previous_response_id")
+    if request.previous_response_id is not None:
+        raise _native(404, f"Response with id '{request.previous_response_id}' not found.", "response_id")
+
+
+def _native(status: int, message: str, param: str) -> GatewayError:
+    """Native's `create_error_response(..., err_type="invalid_request_error")`, as its route sends it."""
+    from http import HTTPStatus
+
+    import orjson
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    error = create_error_response(message, "invalid_request_error", HTTPStatus(status), param)
+    return GatewayError(status, message, body=orjson.dumps(error.model_dump(mode="json", by_alias=True)))

