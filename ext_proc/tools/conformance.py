@@ -888,12 +888,29 @@ def fetch(client: httpx.Client, base_url: str, case: Case, model: str) -> Answer
         return Answer(error=f"unparsable JSON answer ({error}): {raw[:120]!r}")
 
 
-def _unexercised(case: Case, native: Answer) -> list[str]:
+def unexercised(expect: Sequence[Expect], native: Answer) -> list[str]:
+    """Why native's answer cannot judge the case (it must show the case's feature), if it cannot."""
     if native.error:
         return [f"native: {native.error}"]
     if native.problems:
         return [f"native {p}" for p in native.problems]
-    return [f"native answer lacks {e.feature}" for e in case.spec.expect if not e.holds(native)]
+    return [f"native answer lacks {e.feature}" for e in expect if not e.holds(native)]
+
+
+def native_then_gateway(
+    name: str,
+    expect: Sequence[Expect],
+    fetch: Callable[[str], Answer],
+    gateway_url: str,
+    native_url: str,
+    max_reported: int,
+) -> CaseResult:
+    """Native first (it must show the case's feature), then the gateway, then the comparison."""
+    native = fetch(native_url)
+    broken = unexercised(expect, native)
+    if broken:
+        return CaseResult(name, "BROKEN CASE", broken)
+    return compared(name, fetch(gateway_url), native, max_reported)
 
 
 def run_case(
@@ -904,19 +921,14 @@ def run_case(
     client: httpx.Client | None = None,
     max_reported: int = MAX_REPORTED,
 ) -> CaseResult:
-    """Native first (it must show the case's feature), then the gateway, then the comparison."""
     owned = client is None
-    client = client or new_client()
+    http = client or new_client()
     try:
-        native = fetch(client, native_url, case, model)
-        broken = _unexercised(case, native)
-        if broken:
-            return CaseResult(case.name, "BROKEN CASE", broken)
-        gateway = fetch(client, gateway_url, case, model)
+        fetched = partial(fetch, http, case=case, model=model)
+        return native_then_gateway(case.name, case.spec.expect, fetched, gateway_url, native_url, max_reported)
     finally:
         if owned:
-            client.close()
-    return compared(case.name, gateway, native, max_reported)
+            http.close()
 
 
 def new_client(timeout: float = 120) -> httpx.Client:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
 
-from ext_proc.tools.conformance import MAX_REPORTED, Answer, CaseResult, Expect, compared, posted
+from ext_proc.tools.conformance import MAX_REPORTED, Answer, CaseResult, Expect, native_then_gateway, posted
 
 Json = dict[str, Any]
 PATH = "/v1/messages"
@@ -344,10 +345,5 @@ def run_case(
     client: httpx.Client,
     max_reported: int = MAX_REPORTED,
 ) -> CaseResult:
-    native = fetch(client, native_url, case, model)
-    if native.error or native.problems:
-        return CaseResult(case.name, "BROKEN CASE", [f"native: {native.error or native.problems}"])
-    unexercised = [f"native answer lacks {e.feature}" for e in case.expect if not e.holds(native)]
-    if unexercised:
-        return CaseResult(case.name, "BROKEN CASE", unexercised)
-    return compared(case.name, fetch(client, gateway_url, case, model), native, max_reported)
+    fetched = partial(fetch, client, case=case, model=model)
+    return native_then_gateway(case.name, case.expect, fetched, gateway_url, native_url, max_reported)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -31,8 +32,8 @@ from ext_proc.tools.conformance import (
     Answer,
     CaseResult,
     Expect,
-    compared,
     hermes_tool_call_regex,
+    native_then_gateway,
     posted,
 )
 from ext_proc.tools.messages_conformance import normalize_error, split_events
@@ -262,10 +263,5 @@ def run_case(
     client: httpx.Client,
     max_reported: int = MAX_REPORTED,
 ) -> CaseResult:
-    native = fetch(client, native_url, case, model)
-    if native.error or native.problems:
-        return CaseResult(case.name, "BROKEN CASE", [f"native: {native.error or native.problems}"])
-    unexercised = [f"native answer lacks {e.feature}" for e in case.expect if not e.holds(native)]
-    if unexercised:
-        return CaseResult(case.name, "BROKEN CASE", unexercised)
-    return compared(case.name, fetch(client, gateway_url, case, model), native, max_reported)
+    fetched = partial(fetch, client, case=case, model=model)
+    return native_then_gateway(case.name, case.expect, fetched, gateway_url, native_url, max_reported)

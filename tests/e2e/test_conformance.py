@@ -183,38 +183,24 @@ def test_a_stream_of_16_tokens_per_engine_event_equals_native_vllm(
     assert result.status == "PASS", f"{result.status} {case.name} (stream_interval 16):\n" + "\n".join(result.lines)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", messages_conformance.CASES, ids=lambda case: case.name)
-def test_messages_answer_equals_native_vllm_messages(
-    case: MessagesCase,
-    mode: str,
-    stack: RunningStack,
-    request: pytest.FixtureRequest,
-    conformance_client: httpx.Client,
-) -> None:
-    """Anthropic Messages: chat inside the gateway, converted at both ends as native converts."""
-    gateway_url = _gateway_url(mode, request)
-    result = messages_conformance.run_case(
-        case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client
-    )
-    assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+# Anthropic Messages (chat inside the gateway) and OpenAI Responses (completions inside once
+# rendered): converted at both ends as native converts them
+MORE_APIS: dict[str, tuple[Any, MessagesCase | ResponsesCase]] = {
+    **{case.name: (messages_conformance.run_case, case) for case in messages_conformance.CASES},
+    **{case.name: (responses_conformance.run_case, case) for case in responses_conformance.CASES},
+}
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", responses_conformance.CASES, ids=lambda case: case.name)
-def test_responses_answer_equals_native_vllm_responses(
-    case: ResponsesCase,
-    mode: str,
-    stack: RunningStack,
-    request: pytest.FixtureRequest,
-    conformance_client: httpx.Client,
+@pytest.mark.parametrize("name", list(MORE_APIS))
+def test_messages_and_responses_answers_equal_native_vllm(
+    name: str, mode: str, stack: RunningStack, request: pytest.FixtureRequest, conformance_client: httpx.Client
 ) -> None:
-    """OpenAI Responses: rendered as such, completions inside, answered by vLLM's own code."""
-    gateway_url = _gateway_url(mode, request)
-    result = responses_conformance.run_case(
-        case, gateway_url, stack.engine_url, stack.config.model.served_name, conformance_client
+    run, case = MORE_APIS[name]
+    result = run(
+        case, _gateway_url(mode, request), stack.engine_url, stack.config.model.served_name, conformance_client
     )
-    assert result.status == "PASS", f"{result.status} {case.name} ({mode}):\n" + "\n".join(result.lines)
+    assert result.status == "PASS", f"{result.status} {name} ({mode}):\n" + "\n".join(result.lines)
 
 
 @pytest.mark.parametrize("name", ["text", "thinking", "tool-calls", "json-format"])
