@@ -79,6 +79,7 @@ TOOLS = {
         "gateway vs native OpenAI answers, field by field, one line per case",
     ),
     "engines": ("ext_proc.tools.engines", "what every engine and render endpoint serves, and whether it routes"),
+    "config-reference": ("ext_proc.tools.config_reference", "every config key: type, default, override, meaning"),
 }
 
 
