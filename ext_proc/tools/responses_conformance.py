@@ -208,6 +208,18 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
         _ask([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": ENGLISH}], 8, **NO_THINK),
         (HAS_TEXT,),
     ),
+    (
+        "system-blocks",
+        _ask(
+            [
+                {"role": "system", "content": [{"type": "input_text", "text": "You are terse."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": ENGLISH}]},
+            ],
+            8,
+            **NO_THINK,
+        ),
+        (HAS_TEXT,),
+    ),
     ("json-format", _ask(ENGLISH, 40, text={"format": CITY_FORMAT}, **NO_THINK), (HAS_TEXT,)),
     # the stop string ends inside the letters a regex forces
     (
