@@ -64,9 +64,16 @@ def _up(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     from ext_proc.tools.tiny_model import ensure_tiny_model
 
-    cache_dir = Path(args.cache_dir or load_config(args.config).local.cache_dir).expanduser()
+    config = load_config(args.config)
+    cache_dir = Path(args.cache_dir or config.local.cache_dir).expanduser()
     for vocab_size in args.vocab_size:
-        print(ensure_tiny_model(cache_dir, vocab_size))
+        path = ensure_tiny_model(cache_dir, vocab_size)
+        if args.obfuscate_with:  # the engines' copy: its vocabulary permuted as the gateway permutes ids
+            from ext_proc.tools.obfuscated_model import permuted_copy
+
+            obfuscation = config.obfuscation.model_copy(update={"enable": True, "secret_file": args.obfuscate_with})
+            path = permuted_copy(config.model_copy(update={"obfuscation": obfuscation}), path, Path(f"{path}-permuted"))
+        print(path)
     return 0
 
 
@@ -112,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--cache-dir", help="default: local.cache_dir of the config")
     tiny.add_argument(
         "--vocab-size", type=int, nargs="+", default=[TINY_VOCAB], help="one model per size (another tokenizer each)"
+    )
+    tiny.add_argument(
+        "--obfuscate-with",
+        metavar="SECRET_FILE",
+        help="print the path of a copy whose vocabulary is permuted with this secret (obfuscation's own permutation)",
     )
     tiny.set_defaults(func=_tiny_model)
     args = parser.parse_args(argv)

@@ -430,6 +430,11 @@ class LocalStackConfig(_Strict):
     # Engines ("host:port" of pools[].instances) started without --enable-scale-out, as most
     # existing vLLM deployments run: the gateway serves them on their native endpoints.
     engines_without_scale_out: list[str] = Field(default_factory=list)
+    # Token obfuscation on: the engines serve a copy of each base model whose vocabulary is
+    # permuted by the gateway's own permutation (ext_proc/tools/obfuscated_model.py), as a
+    # real deployment's engines serve permuted weights; render keeps the plain model.
+    permute_engine_weights: bool = False
+    engine_extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags for every engine
 
 
 class BaseModelConfig(_Strict):

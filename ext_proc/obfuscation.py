@@ -130,28 +130,28 @@ class TokenCodec:
         for choice in event.get("choices") or ():
             ids = choice.get("token_ids")
             if ids:
-                choice["token_ids"] = self._decode(ids)
+                choice["token_ids"] = self.semantic_ids(ids)
             if choice.get("logprobs"):
                 self._semantic_logprobs(choice["logprobs"])
         if event.get("prompt_token_ids"):  # whole responses only
-            event["prompt_token_ids"] = self._decode(event["prompt_token_ids"])
+            event["prompt_token_ids"] = self.semantic_ids(event["prompt_token_ids"])
         if event.get("prompt_logprobs"):
             event["prompt_logprobs"] = [self._semantic_keys(p) for p in event["prompt_logprobs"]]
 
     def _semantic_logprobs(self, logprobs: dict[str, Any]) -> None:
         for entry in logprobs.get("content") or ():
-            entry["token_id"] = self._decode([entry["token_id"]])[0]
+            entry["token_id"] = self.semantic_ids([entry["token_id"]])[0]
             tops = entry.get("top_logprobs") or ()
-            for top, semantic in zip(tops, self._decode([t["token_id"] for t in tops]), strict=True):
+            for top, semantic in zip(tops, self.semantic_ids([t["token_id"] for t in tops]), strict=True):
                 top["token_id"] = semantic
 
     def _semantic_keys(self, position: dict[str, Any] | None) -> dict[str, Any] | None:
         if not position:
             return position
-        keys = self._decode([int(k) for k in position])
+        keys = self.semantic_ids([int(k) for k in position])
         return {str(k): v for k, v in zip(keys, position.values(), strict=True)}
 
-    def _decode(self, ids: Sequence[int]) -> list[int]:
+    def semantic_ids(self, ids: Sequence[int]) -> list[int]:
         try:
             return self._deobfuscate(ids)
         except Exception as exc:
@@ -182,7 +182,10 @@ def build_codec(config: TitoConfig) -> TokenCodec | None:
 
 def read_secret(settings: ObfuscationConfig) -> bytes:
     if settings.secret_file:
-        secret = Path(settings.secret_file).expanduser().read_bytes().strip()
+        try:
+            secret = Path(settings.secret_file).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"obfuscation's secret_file cannot be read: {exc.strerror}") from exc
     else:
         secret = os.environ.get(settings.secret_env, "").encode()
     if not secret:

@@ -7,7 +7,8 @@ Per engine (all GETs, and two POSTs that cost the engine nothing):
 - `/kv_event_sources` (where its KV events are published, where the engine serves it);
 - `POST /inference/v1/generate` with `{}`: 400 is a live token-only route, 403 vLLM 0.32's
   answer without `--enable-scale-out`, 404 no such route (`TokenOnlyRoute`);
-- `POST /tokenize` of a fixed canary chat: its own tokenizer's ids, compared with render's.
+- `POST /tokenize` of a fixed canary chat: its own tokenizer's ids, compared with render's
+  (made semantic first under token obfuscation: an engine on permuted weights answers physical ids).
 Per render endpoint: `/version`, `/v1/models` and the same canary rendered.
 
 Probes run at start-up, every `capabilities.interval_s`, after a breaker's half-open probe
@@ -31,10 +32,12 @@ import httpx
 import orjson
 
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
+from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, rendered
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
+from ext_proc.obfuscation import TokenCodec
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest
 from scheduler import Role, Scheduler
 from scheduler.capabilities import (
@@ -113,10 +116,13 @@ def parse_tokenized(body: Any) -> tuple[int, ...] | None:
 
 
 class _Prober:
-    def __init__(self, http: httpx.AsyncClient, timeout_s: float, served_name: str) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, timeout_s: float, served_name: str, codec: TokenCodec | None = None
+    ) -> None:
         self._http = http
         self._timeout_s = timeout_s
         self._served_name = served_name
+        self._codec = codec  # token obfuscation: an engine's own tokenizer answers in physical ids
 
     async def _get(self, url: str) -> httpx.Response:
         return await self._http.get(url, headers=PROBE_HEADERS, timeout=self._timeout_s)
@@ -152,6 +158,10 @@ class _Prober:
         canary = None
         if tokenized is not None and tokenized.status_code == 200:
             canary = parse_tokenized(orjson.loads(tokenized.content))
+        if canary is not None and self._codec is not None:
+            # compared with render's semantic ids (an id outside the vocabulary: a mismatch)
+            with contextlib.suppress(GatewayError):
+                canary = tuple(self._codec.semantic_ids(canary))
         return EngineCapabilities(
             address,
             version=version.get("version") if isinstance(version, dict) else None,
@@ -218,7 +228,7 @@ class Capabilities:
         self._catalog = catalog or ModelCatalog(config.model)
         self._tokenization = tokenization
         self._clock = clock
-        self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name)
+        self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name, tokenization.codec)
         self.engines: dict[str, EngineCapabilities | None] = {i.address: None for i in scheduler.instances}
         self.assessments: dict[str, Assessment] = {}
         pool = tokenization.pool

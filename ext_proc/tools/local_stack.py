@@ -159,6 +159,16 @@ class LocalStack:
         ]
         self.config = config.model_copy(update={"model": bases[0], "pools": pools[0], "models": models})
         self.model_path = str(bases[0].path)
+        # what each base model's engines load: its model, or its permuted copy
+        self.engine_paths = {b.model.served_name: self._engine_path(b, cache_dir) for b in self.config.bases()}
+
+    def _engine_path(self, base: TitoConfig, cache_dir: Path) -> str:
+        path = Path(str(base.model.path))
+        if not (self.config.local.permute_engine_weights and base.obfuscation.enable):
+            return str(path)
+        from ext_proc.tools.obfuscated_model import permuted_copy
+
+        return str(permuted_copy(base, path, cache_dir / f"{path.name}-permuted-{base.model.served_name}"))
 
     @property
     def base_url(self) -> str:
@@ -203,7 +213,7 @@ class LocalStack:
         for n, (name, base, pool, instance) in enumerate(self.base_engines()):
             command = engine_command(
                 base.model,
-                str(base.model.path),
+                self.engine_paths[base.model.served_name],
                 instance.host,
                 instance.port,
                 pool.role,
@@ -213,7 +223,7 @@ class LocalStack:
                 pool.block_size,
                 scale_out=instance.address not in self.config.local.engines_without_scale_out,
                 lora=self.config.lora,
-            )
+            ) + list(self.config.local.engine_extra_args)
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
             self._add(name, command, {**engine_env, **(side_channel if pool.kv_connector == "nixl" else {})})
