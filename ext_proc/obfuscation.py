@@ -125,12 +125,15 @@ class TokenCodec:
     # -- from the engines ---------------------------------------------------------------------
 
     def semantic_event(self, event: dict[str, Any]) -> None:
-        """A generate event or response, its ids made semantic in place (choices' token ids
-        and logprobs, the echoed prompt ids)."""
+        """A generate event or response, its ids made semantic in place (choices' token ids,
+        logprobs and the stop token that ended them, the echoed prompt ids)."""
         for choice in event.get("choices") or ():
             ids = choice.get("token_ids")
             if ids:
                 choice["token_ids"] = self.semantic_ids(ids)
+            stop = choice.get("stop_reason")
+            if isinstance(stop, int) and not isinstance(stop, bool):  # a stop string stays as it is
+                choice["stop_reason"] = self.semantic_ids([stop])[0]
             if choice.get("logprobs"):
                 self._semantic_logprobs(choice["logprobs"])
         if event.get("prompt_token_ids"):  # whole responses only

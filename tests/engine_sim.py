@@ -408,6 +408,9 @@ class EngineSim:
                 entry["token_id"] = permute([entry["token_id"]])[0]
                 for top in entry["top_logprobs"]:
                     top["token_id"] = permute([top["token_id"]])[0]
+        stop = choice.get("stop_reason")
+        if isinstance(stop, int):  # the stop token the engine stopped on: one of its own ids
+            choice = {**choice, "stop_reason": permute([stop])[0]}
         return {**choice, "token_ids": permute(choice["token_ids"])}
 
     def _physical_prompt(self, prompt_logprobs: list[Any] | None) -> list[Any] | None:

@@ -197,6 +197,28 @@ def test_the_client_sees_what_a_plain_gateway_shows_and_engines_see_only_physica
         gw.obfuscated.sims[0].obfuscation = gw.permutation
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_stop_token_an_answer_ended_on_is_named_by_its_semantic_id(gw: Pair, stream: bool) -> None:
+    """`stop_reason` of an answer that ended on a stop token is an id: the engine's is physical."""
+    stop = 500
+    body = {**COMPLETION, "stop_token_ids": [stop], "stream": stream, "logprobs": None}
+    reasons = []
+    for gateway in (gw.plain, gw.obfuscated):
+        sim = gateway.sims[0]
+        sim.tokens, sim.finish_reason, sim.stop_reason = [300, 301, stop], "stop", stop
+        try:
+            answer = _post(gateway, "/v1/completions", body)
+        finally:
+            sim.finish_reason, sim.stop_reason = "length", None
+        assert answer.status_code == 200, answer.text
+        lines = [line for line in answer.text.splitlines() if line.startswith("data: {")]
+        choices = (
+            [c for line in lines for c in orjson.loads(line[6:])["choices"]] if stream else answer.json()["choices"]
+        )
+        reasons.append([(c["finish_reason"], c["stop_reason"]) for c in choices if c["finish_reason"]])
+    assert reasons[0] == reasons[1] == [("stop", stop)]
+
+
 def test_render_down_is_a_503_and_the_local_tokenizer_is_never_loaded(gw: Pair) -> None:
     gw.proxy.faults.append(RenderFault("render", "status", status=503))
     response = _post(gw.obfuscated, "/v1/chat/completions", CHAT)
