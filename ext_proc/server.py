@@ -140,6 +140,12 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
     return RenderPool(members, config.model.served_name, render.p99_budget_ms)
 
 
+def answering_block_size(config: TitoConfig) -> int:
+    """The block size of the engines whose answers carry the usage: decode or union ones."""
+    answering = [p for p in config.pools if p.role != "prefill"] or config.pools
+    return answering[0].block_size if answering else PoolConfig().block_size
+
+
 def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEventSubscriber]:
     """One per engine that publishes KV cache events, when they feed the prefix index."""
     if config.scheduler.prefix_source != "kv_events":
@@ -198,7 +204,7 @@ def build_services(
         render_pool.on_render = observability.render_attempt
     if capabilities is not None:
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
-    model = DerenderModel(config.model)
+    model = DerenderModel(config.model, answering_block_size(config))
     services = Services(
         config=config,
         tokenization=tokenization,

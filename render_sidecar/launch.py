@@ -73,6 +73,7 @@ def engine_command(
     if scale_out:  # without it, vLLM 0.32 answers token-only generate with 403 (served natively)
         args.append("--enable-scale-out")
     args += ["--block-size", str(block_size)]  # the block size the gateway's prefix index hashes in
+    args.append("--enable-prompt-tokens-details")  # generate's usage then has the prefix-cache hits
     lora = lora or LoraConfig()
     if model.adapters or lora.on_missing == "load":  # LoRA: the catalog's adapters loaded at start
         args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]

@@ -43,7 +43,7 @@ class DerenderModel:
 
     Loading imports vLLM (and torch): seconds, so it happens once at start-up."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, block_size: int = 128) -> None:
         require("derender (the engines' tokenizer, detokenizer and parsers)", PROCESSOR, "vllm")
         if not config.path:
             raise ValueError("in-process derender needs model.path (the engines' tokenizer)")
@@ -63,6 +63,19 @@ class DerenderModel:
         )
         self.logprobs = LogprobDecoder(self.tokenizer)
         self.include_reasoning_details = bool(config.reasoning_parser)
+        self.block_size = block_size  # the engines' KV block size (`pools[].block_size`)
+
+    def prompt_details(self, chat: bool, prompt_tokens: int, cached: int, whole: bool) -> dict[str, Any]:
+        """Native's `prompt_tokens_details` (a stream's without its nulls). Generate reports
+        only the cached tokens; chat also counts the tokens the prefill wrote to the prefix
+        cache: the prompt's full blocks less the cached ones (`PrefillStats.finalize`)."""
+        written = prompt_tokens // self.block_size * self.block_size
+        details = {
+            "cached_tokens": cached,
+            "created_cache_tokens": max(0, written - cached) if chat else None,
+            "multimodal_tokens": None,
+        }
+        return details if whole else {k: v for k, v in details.items() if v is not None}
 
     def client_request(self, request: TokenizedRequest) -> Any:
         """vLLM's own model of the client request, as native serving validates it."""
@@ -167,6 +180,7 @@ class _Session:
         self._include_usage = bool(usage and usage.include_usage)
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
         self._prompt_logprobs: list[Any] | None = None  # a whole answer's (the only ones that carry them)
+        self.cached_tokens: int | None = None  # the engine's prefix-cache hits, when it reports them
         # A Responses request's steps stay apart: its parser runs on each (`responses.py`)
         self._merges = request.request.family is not ApiFamily.RESPONSES
 
@@ -218,8 +232,10 @@ class _Session:
             chunk = self._step(step)
             if chunk is not None:
                 out.append(chunk)
-        if event.get("usage") is not None and not event.get("choices") and self._include_usage:
-            out.append(self._usage_chunk())
+        if event.get("usage") is not None and not event.get("choices"):
+            self.cached_tokens = cached_tokens(event["usage"])
+            if self._include_usage:
+                out.append(self._usage_chunk())
         return out
 
     def _prelude(self) -> list[dict[str, Any]]:
@@ -284,7 +300,10 @@ class ChatStream(_Session):
             return None
         logprobs = None
         if self._client.logprobs:
-            logprobs = chat_logprobs(self._logprob_positions(choice, step), self._client.top_logprobs)
+            positions = self._logprob_positions(choice, step)
+            logprobs = chat_logprobs(
+                positions, self._client.top_logprobs, bool(self._client.return_tokens_as_token_ids)
+            )
         text = choice.text(step.token_ids, step.finish_reason, step.stop_reason)
         if not text and not step.token_ids and not choice.num_tokens:
             return None
@@ -336,7 +355,8 @@ class ChatStream(_Session):
 
     def _usage(self, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
         """Native's `UsageInfo` dumped with `exclude_unset`: `completion_tokens_details` is
-        always set (null without a reasoning parser), `prompt_tokens_details` never."""
+        always set (null without a reasoning parser), `prompt_tokens_details` only in the
+        final usage chunk (`_usage_chunk`)."""
         usage: dict[str, Any] = {
             "prompt_tokens": self._prompt_tokens,
             "total_tokens": self._prompt_tokens + completion_tokens,
@@ -353,8 +373,22 @@ class ChatStream(_Session):
 
     def _usage_chunk(self) -> dict[str, Any]:
         completion = sum(c.num_tokens for c in self._choices.values())
-        usage = {k: v for k, v in self._usage(completion, self.reasoning_tokens()).items() if v is not None}
-        return self._chunk([], usage=usage)
+        usage = self._usage(completion, self.reasoning_tokens())
+        if self.cached_tokens is not None:  # in native's field order: before the completion's details
+            reasoning = usage.pop("completion_tokens_details")
+            usage["prompt_tokens_details"] = self._model.prompt_details(
+                True, self._prompt_tokens, self.cached_tokens, False
+            )
+            usage["completion_tokens_details"] = reasoning
+        return self._chunk([], usage={k: v for k, v in usage.items() if v is not None})
+
+
+def cached_tokens(usage: Any) -> int | None:
+    """The engine's prefix-cache hits in a generate usage, or None: an engine started
+    without `--enable-prompt-tokens-details` reports none (nor does native serving then)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return None if cached is None else int(cached)
 
 
 _TEXT_KEYS = frozenset({"content", "reasoning", "text"})
@@ -404,7 +438,7 @@ class CompletionStream(_Session):
         self._prompt_index = prompt_index
         self._prompt_positions: list[Position | Unscored] | None = None
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
         prompt = self._prompt_tokens
         return {
             "prompt_tokens": prompt,
@@ -413,7 +447,12 @@ class CompletionStream(_Session):
         }
 
     def _usage_chunk(self) -> dict[str, Any]:
-        return self._chunk([], usage=self._usage(sum(c.num_tokens for c in self._choices.values())))
+        usage = self._usage(sum(c.num_tokens for c in self._choices.values()))
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = self._model.prompt_details(
+                False, self._prompt_tokens, self.cached_tokens, False
+            )
+        return self._chunk([], usage=usage)
 
     def _step(self, step: _Step) -> dict[str, Any] | None:
         choice = self._choice(step.index, parser=False)
@@ -431,7 +470,8 @@ class CompletionStream(_Session):
             text, positions = self._echoed(text, positions)
         logprobs = None
         if positions is not None:
-            logprobs = completion_logprobs(positions, self._client.logprobs, choice.text_offset)
+            as_ids = bool(self._client.return_tokens_as_token_ids)
+            logprobs = completion_logprobs(positions, self._client.logprobs, choice.text_offset, as_ids)
             if logprobs["tokens"]:
                 choice.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         choice.num_tokens += len(step.token_ids)
@@ -552,7 +592,7 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         ChatCompletionResponseChoice,
         ChatMessage,
     )
-    from vllm.entrypoints.serve.engine.protocol import CompletionTokenUsageInfo, UsageInfo
+    from vllm.entrypoints.serve.engine.protocol import CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo
     from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
     from vllm.renderers.chat_utils import make_tool_call_id
 
@@ -572,7 +612,7 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         logprobs = None
         if client.logprobs:
             positions = model.logprobs.positions(output.get("logprobs"), [])
-            logprobs = chat_logprobs(positions, client.top_logprobs)
+            logprobs = chat_logprobs(positions, client.top_logprobs, bool(client.return_tokens_as_token_ids))
         parser = model.parser(client)
         suppress = False
         if parser is not None:
@@ -622,6 +662,9 @@ def _chat_response(model: DerenderModel, request: TokenizedRequest, generate: di
         if model.include_reasoning_details
         else None,
     )
+    cached = cached_tokens(generate.get("usage"))
+    if cached is not None:
+        usage.prompt_tokens_details = PromptTokenUsageInfo(**model.prompt_details(True, prompt_tokens, cached, True))
     response = ChatCompletionResponse(
         id=request.request_id,
         created=int(time.time()),
@@ -657,7 +700,8 @@ def _completion_response(
                 prompt_positions = _prompt_positions(model, prompt, generate.get("prompt_logprobs"))
             shown = prompt_text(model, client, prompt, prompt_index)
             text, positions = echoed(shown, prompt_positions, text, positions, client.max_tokens != 0)
-        logprobs = None if positions is None else completion_logprobs(positions, client.logprobs, 0)
+        as_ids = bool(client.return_tokens_as_token_ids)
+        logprobs = None if positions is None else completion_logprobs(positions, client.logprobs, 0, as_ids)
         choices.append(
             {
                 "index": len(choices),
@@ -672,6 +716,7 @@ def _completion_response(
             }
         )
     prompt_tokens = len(prompt.token_ids)
+    cached = cached_tokens(generate.get("usage"))
     return orjson.dumps(
         {
             "id": request.request_id,
@@ -685,7 +730,9 @@ def _completion_response(
                 "prompt_tokens": prompt_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "completion_tokens": completion_tokens,
-                "prompt_tokens_details": None,
+                "prompt_tokens_details": None
+                if cached is None
+                else model.prompt_details(False, prompt_tokens, cached, True),
                 "completion_tokens_details": None,
             },
             "kv_transfer_params": None,

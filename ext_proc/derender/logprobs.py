@@ -135,18 +135,29 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None) -> dict[str, Any]:
-    """`ChatCompletionLogProbs` as native chat serving builds it (`_create_chat_logprobs`)."""
+def _token(token_id: int, text: str, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or `token_id:<id>` (`return_tokens_as_token_ids`)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None, as_ids: bool = False) -> dict[str, Any]:
+    """`ChatCompletionLogProbs` as native chat serving builds it (`_create_chat_logprobs`):
+    with `as_ids` the tokens are ids, the sampled token's bytes still its text's."""
     content = []
     for position in positions:
-        tops = [
-            {"token": c.text, "logprob": c.logprob, "bytes": _bytes(c.text)}
-            for i, c in enumerate(position.candidates)
-            if top_logprobs == -1 or (top_logprobs is not None and i < top_logprobs)
-        ]
+        tops = []
+        for i, c in enumerate(position.candidates):
+            if top_logprobs == -1 or (top_logprobs is not None and i < top_logprobs):
+                token = _token(c.token_id, c.text, as_ids)
+                tops.append({"token": token, "logprob": c.logprob, "bytes": _bytes(token)})
         sampled = position.sampled
         content.append(
-            {"token": sampled.text, "logprob": sampled.logprob, "bytes": _bytes(sampled.text), "top_logprobs": tops}
+            {
+                "token": _token(sampled.token_id, sampled.text, as_ids),
+                "logprob": sampled.logprob,
+                "bytes": _bytes(sampled.text),
+                "top_logprobs": tops,
+            }
         )
     return {"content": content}
 
@@ -164,11 +175,14 @@ def prompt_logprobs_field(positions: Sequence[Position | Unscored]) -> list[dict
     ]
 
 
-def completion_logprobs(positions: Sequence[Position | Unscored], top: int, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    positions: Sequence[Position | Unscored], top: int, text_offset: int, as_ids: bool = False
+) -> dict[str, Any]:
     """`CompletionLogProbs` as native completions serving builds it; `text_offset` is where
-    this chunk's first token starts in the choice's text. The engine was asked for k + 1
-    candidates (`token_only.generate_body`): the sampled token and ranks 1..k are kept. An
-    echoed prompt's first token has no logprob."""
+    this chunk's first token starts in the choice's text (advanced, as natively, by each
+    token's length: an id's with `as_ids`). The engine was asked for k + 1 candidates
+    (`token_only.generate_body`): the sampled token and ranks 1..k are kept. An echoed
+    prompt's first token has no logprob."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -176,14 +190,14 @@ def completion_logprobs(positions: Sequence[Position | Unscored], top: int, text
     for position in positions:
         offsets.append(text_offset if not offsets else offsets[-1] + len(tokens[-1]))
         if isinstance(position, Unscored):
-            tokens.append(position.text)
+            tokens.append(_token(position.token_id, position.text, as_ids))
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
-        tokens.append(position.sampled.text)
+        tokens.append(_token(position.sampled.token_id, position.sampled.text, as_ids))
         token_logprobs.append(position.sampled.logprob)
         kept = [c for i, c in enumerate(position.candidates) if top == -1 or i == 0 or (c.rank or 0) <= top]
-        top_logprobs.append({c.text: c.logprob for c in kept})
+        top_logprobs.append({_token(c.token_id, c.text, as_ids): c.logprob for c in kept})
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
 
 

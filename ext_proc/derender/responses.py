@@ -13,6 +13,12 @@ native's engine loop feeds them (`frontend/stepped.py` runs the generator by han
 
 The completions stream keeps one chunk per engine step for these requests (no merging, see
 `in_process.py`), so the parser sees native's steps.
+
+Output logprobs (`include: ["message.output_text.logprobs"]`) ride along as completions
+logprobs naming token ids (`return_tokens_as_token_ids`): texts would not do, as distinct
+candidates often decode alike (byte-fallback pieces to ""), and a completions `top_logprobs`
+dict keyed by text keeps only one of them. Each step's ids are decoded here as the engine
+decodes logprob tokens, into the `dict[id, Logprob]` per position native's code reads.
 """
 
 from __future__ import annotations
@@ -21,13 +27,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import orjson
 
-from ext_proc.derender.in_process import DerenderModel
+from ext_proc.derender.in_process import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import DONE
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.stepped import Stepped, run_coroutine
@@ -58,7 +64,9 @@ _COMPLETION_PARAMS = (
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "structured_outputs",
+    "logprobs",  # the output logprobs' `top_logprobs`, set only when they are included
 )
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's `format_token_id_placeholder`
 # SamplingParams' defaults, for the fields the answer echoes (render leaves defaults out)
 _ECHOED = {
     "temperature": 1.0,
@@ -111,6 +119,8 @@ class ResponsesServing:
         params = prompt.sampling_params
         body: dict[str, Any] = {k: params[k] for k in _COMPLETION_PARAMS if params.get(k) is not None}
         body.update(model=tokenized.request.model, prompt=prompt.token_ids, return_token_ids=True)
+        if "logprobs" in body:  # logprob tokens as ids, decoded by `ResponsesAnswer.output`
+            body["return_tokens_as_token_ids"] = True
         if tokenized.stream:
             body.update(stream=True, stream_options={"include_usage": True})
         model_name = tokenized.request.response_model(self.model.served_name)
@@ -130,6 +140,7 @@ class ResponsesAnswer:
         self.prompt_ids = prompt_ids
         self.sampling = SimpleNamespace(**{k: params.get(k, default) for k, default in _ECHOED.items()})
         self.model_name = model_name
+        self._logprob_context: list[int] = []  # the last sampled ids, across steps (`LogprobDecoder`)
 
     def context(self) -> Any:
         """Native's `SimpleContext`, with the request's own parser primed with the prompt."""
@@ -145,17 +156,19 @@ class ResponsesAnswer:
             parser.set_prompt_token_ids(self.prompt_ids)
         return SimpleContext(response_parser=parser)
 
-    def output(self, choice: dict[str, Any], cached_tokens: int = 0) -> Any:
-        """One completions choice (a step, or the whole answer) as the engine's RequestOutput."""
+    def output(self, choice: dict[str, Any], usage: Any = None) -> Any:
+        """One completions choice (a step, or the whole answer) as the engine's RequestOutput,
+        with the prompt's cache counts of a whole answer's `usage`."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
         finish = choice.get("finish_reason")
+        cache = self.cache_counts(usage)
         completion = CompletionOutput(
             index=0,
             text=choice.get("text") or "",
             token_ids=list(choice.get("token_ids") or []),
             cumulative_logprob=None,
-            logprobs=None,
+            logprobs=self._sample_logprobs(choice.get("logprobs")),
             finish_reason=finish,
             stop_reason=choice.get("stop_reason"),
         )
@@ -166,8 +179,43 @@ class ResponsesAnswer:
             prompt_logprobs=None,
             outputs=[completion],
             finished=finish is not None,
-            num_cached_tokens=cached_tokens,
+            num_cached_tokens=cache.cached,
+            num_cache_creation_tokens=cache.created,
         )
+
+    def cache_counts(self, usage: Any) -> _CacheCounts:
+        """The engine's prefix-cache hits and writes for the prompt, as native's context holds
+        them (0 when the engine reports none: it runs without `--enable-prompt-tokens-details`)."""
+        cached = cached_tokens(usage)
+        if cached is None:
+            return _CacheCounts(0, 0)
+        details = self._serving.model.prompt_details(True, len(self.prompt_ids), cached, whole=True)
+        return _CacheCounts(cached, details["created_cache_tokens"])
+
+    def _sample_logprobs(self, logprobs: dict[str, Any] | None) -> list[dict[int, Any]] | None:
+        """A completions choice's token-id logprobs as the engine's `SampleLogprobs`: per
+        position the sampled id first, then the candidates in the engine's order, decoded with
+        the engine's rules. (Ranks are not in a completions answer; native's Responses answer
+        does not read them.)"""
+        from vllm.logprobs import Logprob
+
+        if logprobs is None:
+            return None
+        content = [
+            {
+                "token_id": _token_id(token),
+                "logprob": logprob,
+                "top_logprobs": [{"token_id": _token_id(t), "logprob": v} for t, v in (top or {}).items()],
+            }
+            for token, logprob, top in zip(
+                logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+            )
+        ]
+        positions = self._serving.model.logprobs.positions({"content": content}, self._logprob_context)
+        return [
+            {c.token_id: Logprob(logprob=c.logprob, rank=c.rank, decoded_token=c.text) for c in p.candidates}
+            for p in positions
+        ]
 
     def generator_args(self, context: Any, created: int) -> tuple[Any, ...]:
         from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
@@ -185,7 +233,7 @@ class ResponsesAnswer:
         try:
             completion = orjson.loads(body)
             context = self.context()
-            context.append_output(self.output(completion["choices"][0], _cached_tokens(completion.get("usage"))))
+            context.append_output(self.output(completion["choices"][0], completion.get("usage")))
             sampling, *rest = self.generator_args(context, int(time.time()))
             serving = self._serving.serving
             answer = run_coroutine(serving.responses_full_generator(self.client, sampling, _nothing(), *rest))
@@ -201,11 +249,13 @@ class ResponsesAnswer:
         return body  # native's Responses errors are OpenAI's
 
 
-class _Usage:
-    """The end of a completions stream: its usage (the engine's cached tokens)."""
+@dataclass(frozen=True)
+class _CacheCounts:
+    """The end of a completions stream, as far as Responses' usage goes: the prompt's
+    prefix-cache hits and writes."""
 
-    def __init__(self, cached_tokens: int) -> None:
-        self.cached_tokens = cached_tokens
+    cached: int
+    created: int
 
 
 class ResponsesStream:
@@ -226,8 +276,9 @@ class ResponsesStream:
     async def _contexts(self, steps: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Native's engine loop: each output appended to the context, the context yielded."""
         async for step in steps:
-            if isinstance(step, _Usage):
-                self._context.num_cached_tokens = step.cached_tokens
+            if isinstance(step, _CacheCounts):
+                self._context.num_cached_tokens = step.cached
+                self._context.num_cache_creation_tokens = step.created
                 continue
             self._context.append_output(step)
             yield self._context
@@ -245,7 +296,7 @@ class ResponsesStream:
                 break
             steps += [self._answer.output(choice) for choice in chunk.get("choices") or []]
             if chunk.get("usage") is not None and not chunk.get("choices"):
-                steps.append(_Usage(_cached_tokens(chunk["usage"])))
+                steps.append(self._answer.cache_counts(chunk["usage"]))
         out = self._frames(self._stepped.run(steps))
         if error is not None:
             self._stepped.close()  # what native would still say after an error is not said
@@ -277,9 +328,11 @@ class ResponsesStream:
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
-def _cached_tokens(usage: Any) -> int:
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    return int((details or {}).get("cached_tokens") or 0)
+def _token_id(token: str) -> int:
+    """The id a completions logprob token names (`return_tokens_as_token_ids`)."""
+    if not token.startswith(TOKEN_ID_PREFIX):
+        raise ValueError(f"a logprob token without its id: {token!r}")
+    return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
 async def _nothing() -> AsyncIterator[Any]:

@@ -17,7 +17,7 @@ import httpx
 import orjson
 
 from ext_proc.config import RenderConfig
-from ext_proc.derender.in_process import ChatStream, DerenderModel, derender_whole
+from ext_proc.derender.in_process import ChatStream, DerenderModel, cached_tokens, derender_whole
 from ext_proc.derender.logprobs import chat_logprobs, trim_completion_candidates
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
@@ -128,6 +128,7 @@ class SidecarDerender:
             # the engine's count, with the stop token derender was not shown
             for key in ("completion_tokens", "total_tokens"):
                 result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
+        _prompt_details(self._model, result.get("usage"), request.api, generate.get("usage"), whole=True)
         if request.api is ApiKind.CHAT:
             _tool_calls_finish_reason(result, request.request.body)
             if reasoning is not None and isinstance(result.get("usage"), dict):
@@ -199,6 +200,19 @@ def _cut_fields(holder: dict[str, Any], stop: _StopCut, final: bool) -> None:
     for field in _TEXT_FIELDS:
         if isinstance(holder.get(field), str):
             holder[field] = kept.get(field, "" if field == "text" else None)
+
+
+def _prompt_details(model: DerenderModel, usage: Any, api: ApiKind, generate_usage: Any, whole: bool) -> None:
+    """The engine's cached tokens as native's `prompt_tokens_details` (derender drops them),
+    in native's place: before the completion's details."""
+    cached = cached_tokens(generate_usage)
+    if cached is None or not isinstance(usage, dict):
+        return
+    completion = usage.pop("completion_tokens_details", None)
+    details = model.prompt_details(api is ApiKind.CHAT, int(usage["prompt_tokens"]), cached, whole)
+    usage["prompt_tokens_details"] = details
+    if completion is not None or whole:
+        usage["completion_tokens_details"] = completion
 
 
 class _StopCut:
@@ -298,6 +312,7 @@ class SidecarStream:
         self._text_offsets: dict[int, int] = {}
         self._stop_strings = _stop_strings(body)
         self._top_logprobs = body.get("top_logprobs")
+        self._as_ids = bool(body.get("return_tokens_as_token_ids"))
         self._completion_top = _completion_logprobs(request)
         self._logprob_context: dict[int, list[int]] = {}
         self._opened: set[int] = set()  # chat choices whose role chunk went out
@@ -341,6 +356,7 @@ class SidecarStream:
             choice["index"] = int(choice.get("index", 0)) + self._index_shift
         if not choices:  # the usage chunk: native serializes it without nulls
             chunk = _without_nulls(chunk)
+            _prompt_details(self._model, chunk.get("usage"), self._request.api, event.get("usage"), whole=False)
             if self._events is not None and isinstance(chunk.get("usage"), dict):
                 chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": await self._reasoning_tokens()}
         if self._request.api is ApiKind.CHAT and index >= 0:
@@ -388,7 +404,7 @@ class SidecarStream:
         positions = self._fix_logprobs.positions(choice.get("logprobs"), context)
         for out in chunk.get("choices") or []:
             if out.get("logprobs") is None and positions:
-                out["logprobs"] = chat_logprobs(positions, self._top_logprobs)
+                out["logprobs"] = chat_logprobs(positions, self._top_logprobs, self._as_ids)
 
     def _body(self, payload: bytes, index: int) -> bytes:
         body = b'{"stream":true,"generate_chunk":' + payload

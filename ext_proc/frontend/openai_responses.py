@@ -23,7 +23,6 @@ NO_STORE = (
     "when launching the vLLM server."
 )
 BUILT_IN_TOOLS = "built-in tools ({}) are not served through the gateway: only function tools are"
-NO_LOGPROBS = "output logprobs (include: message.output_text.logprobs) are not served through the gateway yet"
 
 
 async def responses_request(raw: bytes, request_id: str) -> Any:
@@ -42,8 +41,6 @@ async def responses_request(raw: bytes, request_id: str) -> Any:
     built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
     if built_in:
         raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
-    if request.is_include_output_logprobs():  # refused, rather than answered without them
-        raise GatewayError(400, NO_LOGPROBS, param="include", code="unsupported_parameter")
     request.store = False  # as native without a store: silently not stored
     return request
 

@@ -42,6 +42,7 @@ class FanOut:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(queue_depth)
         self.queue_depth_max = 0
         self._producers: list[asyncio.Task[None]] = []
+        self._first: PromptStream | None = None  # the prompt whose output came first
 
     async def establish(self) -> None:
         """Every prompt's engine answered 200 (GatewayError: one could not; nothing is left open)."""
@@ -89,8 +90,12 @@ class FanOut:
         yield self._usage_chunk() + DONE_EVENT
 
     async def _produce(self, prompt: PromptStream) -> None:
+        async def put(item: bytes) -> None:
+            self._first = self._first or prompt
+            await self._put(item)
+
         try:
-            await prompt.run(self._put)
+            await prompt.run(put)
             await self._put(None)
         except GatewayError as error:
             log.warning(
@@ -129,6 +134,10 @@ class FanOut:
             "choices": [],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion},
         }
+        # native reports the cached tokens of the batch's first result
+        first = self._first or self.prompts[0]
+        if (cached := first.cached_tokens) is not None:
+            chunk["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return sse_event(orjson.dumps(chunk))
 
     # -- the end -------------------------------------------------------------------------
@@ -159,7 +168,7 @@ def _first_error(failures: BaseExceptionGroup) -> BaseException:
 
 def merge_whole(bodies: list[bytes]) -> bytes:
     """Per-prompt completions responses as native serving answers a batch: choices in prompt
-    order, indexed 0.., usage summed."""
+    order, indexed 0.., usage summed (the cached tokens are the last prompt's, as native's)."""
     merged: dict[str, Any] = orjson.loads(bodies[0])
     choices: list[dict[str, Any]] = []
     totals = dict.fromkeys(("prompt_tokens", "total_tokens", "completion_tokens"), 0)
@@ -172,4 +181,6 @@ def merge_whole(bodies: list[bytes]) -> bytes:
             totals[key] += int(answer["usage"][key])
     merged["choices"] = choices
     merged["usage"].update(totals)
+    if "prompt_tokens_details" in answer["usage"]:
+        merged["usage"]["prompt_tokens_details"] = answer["usage"]["prompt_tokens_details"]
     return orjson.dumps(merged)

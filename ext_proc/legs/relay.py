@@ -23,6 +23,7 @@ import httpx
 import orjson
 
 from ext_proc.config import RescheduleConfig
+from ext_proc.derender.in_process import cached_tokens
 from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, parse_event, whole_events
 from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError
@@ -67,6 +68,7 @@ class PromptStream:
         self._first = self._leg  # the original leg: prompt and budget a relay starts from
         self._session = PerTokenSteps(ctx.derender.stream(plan.tokenized, index))
         self._merged = merged  # one of a batch: the fan-out writes the one usage chunk
+        self.cached_tokens: int | None = None  # the engine's prefix-cache hits, for that chunk
         self.completion_tokens = 0
         self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them
         self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
@@ -233,6 +235,8 @@ class PromptStream:
             if isinstance(event, dict):
                 if event.get("choices") or not self._merged:
                     waiting.append(self._with_usage(event, payload))
+                else:
+                    self.cached_tokens = cached_tokens(event.get("usage"))
                 continue
             await self._step(waiting, put)
             waiting = []
@@ -250,7 +254,10 @@ class PromptStream:
         if event.get("choices") or not isinstance(event.get("usage"), dict):
             return event, payload
         prompt = len(self._first.prompt.token_ids)
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + self.completion_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + self.completion_tokens}
+        cached = cached_tokens(event["usage"])
+        if cached is not None and cached > prompt:  # a relay's cache hits on the committed ids
+            usage["prompt_tokens_details"] = {**event["usage"]["prompt_tokens_details"], "cached_tokens": prompt}
         event = {**event, "usage": {**event["usage"], **usage, "completion_tokens": self.completion_tokens}}
         return event, orjson.dumps(event)
 

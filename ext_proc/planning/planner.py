@@ -85,8 +85,8 @@ class Planner:
         try:
             model = self._config.model
             request = parse_request(api, body, self.catalog, vocab_size(model.path), family, conversion)
-            if request.echo and self._config.derender.mode == "sidecar":
-                raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
+            if self._config.derender.mode == "sidecar":
+                _refuse_what_the_sidecar_cannot_derender(request)
             if (record := current()) is not None:  # admission, metrics and stage lines per model
                 record.resolved(request.response_model(model.served_name))
             self._check_adapter(request.adapter)
@@ -510,6 +510,21 @@ ECHO_NEEDS_IN_PROCESS = (
     "`echo` needs the in-process derender (derender.mode: in_process): the render sidecar's"
     " /derender does not repeat the prompt"
 )
+IDS_NEED_IN_PROCESS = (
+    "`return_tokens_as_token_ids` with logprobs needs the in-process derender (derender.mode: in_process):"
+    " the render sidecar's /derender names logprob tokens by their text"
+)
+
+
+def _refuse_what_the_sidecar_cannot_derender(request: OpenAIRequest) -> None:
+    if request.echo:
+        raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
+    body = request.body
+    if body.get("return_tokens_as_token_ids") and body.get("logprobs") not in (None, False):
+        param = "return_tokens_as_token_ids"
+        raise GatewayError(400, IDS_NEED_IN_PROCESS, param=param, code="unsupported_with_sidecar_derender")
+
+
 TRIGGER_BATCH_OBFUSCATED = (
     "multi-prompt requests on a Trigger prefill/decode pool are served by an engine's native endpoint,"
     " which token obfuscation forbids"

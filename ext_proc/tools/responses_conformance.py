@@ -5,15 +5,15 @@ As for Messages (`messages_conformance.py`), each case runs first against the en
 answer must show the case's feature, then against the gateway. Random values are normalized
 away (response, item and call ids: present; `created_at`). Compared: the response's status,
 model, echoed parameters, every output item (message text, reasoning text, function name and
-arguments as parsed JSON), the usage (cached and cache-write tokens aside: the engine counts
-its prefix cache natively, the gateway only what generate reports); for streams also the sequence of
-event types (a run of deltas counted once: how many tokens a delta carries is not the
-promise), with the framing a client relies on (`event:` naming each `data:`'s type,
+arguments as parsed JSON), output logprobs, the usage (with the engine's prefix-cache counts:
+engines run with `--enable-prompt-tokens-details`, which generate needs to report them); for
+streams also the sequence of event types (a run of deltas counted once: how many tokens a
+delta carries is not the promise), with the framing a client relies on (`event:` naming each `data:`'s type,
 `sequence_number` counting from 0, `response.created` first, `response.completed` last, no
 `[DONE]`). Errors are compared by status and body.
 
-Every case samples greedily (temperature 0); tool calls are forced with a hermes regex, as in
-the chat cases.
+Every case samples greedily (temperature 0) but two seeded logprobs cases; tool calls are
+forced with a hermes regex, as in the chat cases.
 """
 
 from __future__ import annotations
@@ -67,21 +67,12 @@ def _item(item: Mapping[str, Any]) -> Json:
     return out
 
 
-def _usage(usage: Mapping[str, Any] | None) -> Json | None:
-    if usage is None:
-        return None
-    details = dict(usage.get("input_tokens_details") or {})
-    details.pop("cached_tokens", None)  # the engine's prefix cache, counted natively only
-    details.pop("cache_write_tokens", None)
-    return {**usage, "input_tokens_details": details}
-
-
 def normalize_response(body: Mapping[str, Any]) -> Answer:
     """A whole Responses answer (or the one `response.completed` carries)."""
     normalized = {key: body.get(key) for key in (*ECHOED, *ECHOED_TOO)}
     normalized["id"] = _present(body.get("id"))
     normalized["output"] = [_item(item) for item in body.get("output") or []]
-    normalized["usage"] = _usage(body.get("usage"))
+    normalized["usage"] = body.get("usage")
     return Answer(normalized)
 
 
@@ -187,6 +178,16 @@ HISTORY: list[Json] = [
 ]
 HAS_TEXT = _has_item("message")
 HAS_REASONING = _has_item("reasoning")
+LOGPROBS = "message.output_text.logprobs"
+HAS_LOGPROBS = Expect(
+    "output text logprobs",
+    lambda a: any(
+        part.get("logprobs")
+        for item in a.normalized.get("output") or []
+        if item["type"] == "message"
+        for part in item["content"]
+    ),
+)
 
 
 def _ask(user: str | list[Json], max_output_tokens: int, **extra: Any) -> Json:
@@ -234,12 +235,30 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
     ("tool-named", _forced("Paris", tool_choice={"type": "function", "name": "get_weather"}), ()),
     ("tool-none", _ask(ENGLISH, 10, tools=[TOOL], tool_choice="none", **NO_THINK), (HAS_TEXT,)),
     ("tool-result", _ask(HISTORY, 10, tools=[TOOL], **NO_THINK), ()),
+    ("logprobs", _ask(ENGLISH, 12, include=[LOGPROBS], **NO_THINK), (HAS_LOGPROBS,)),
+    ("top-logprobs", _ask(ENGLISH, 12, include=[LOGPROBS], top_logprobs=3, **NO_THINK), (HAS_LOGPROBS,)),
+    # sampled (seeded): the sampled token is often outside the top 5, and candidates decode
+    # alike (""); 5 tokens that each show text, as a stream natively drops the logprobs of a
+    # step without text unless its engine merged that step into the next (timing)
+    (
+        "top-logprobs-sampled",
+        _ask(ENGLISH, 5, include=[LOGPROBS], top_logprobs=5, **NO_THINK, temperature=1.0, seed=7),
+        (HAS_LOGPROBS,),
+    ),
 ]
 CASES: list[ResponsesCase] = [
     ResponsesCase(f"responses-{name}-{'stream' if stream else 'full'}", body, expect, stream)
     for name, body, expect in SPECS
     for stream in (False, True)
 ] + [
+    # with reasoning, native puts every output token's logprobs on the message (sampled: greedy
+    # never ends the reasoning); whole only: a stream shows those of content steps, and of
+    # reasoning steps its engine happened to merge into them
+    ResponsesCase(
+        "responses-thinking-logprobs-full",
+        _ask(ENGLISH, 16, include=[LOGPROBS], top_logprobs=2, temperature=1.0, seed=1),
+        (HAS_REASONING, HAS_LOGPROBS),
+    ),
     ResponsesCase("responses-error-no-input", {"max_output_tokens": 4}, (_status(400),)),
     ResponsesCase("responses-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (_status(404),)),
     ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (_status(400),)),

@@ -6,13 +6,14 @@ real runs cannot go unnoticed because the comparison is blind to it."""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS
+from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS, IDS_NEED_IN_PROCESS
 from ext_proc.tools import messages_conformance, responses_conformance
 from ext_proc.tools.conformance import (
     CASES,
@@ -32,6 +33,8 @@ from ext_proc.tools.responses_conformance import ResponsesCase
 from tests.conftest import RealGateway, RunningStack, start_real_gateway
 
 MODES = ("in_process", "sidecar")
+# what vLLM 0.32's /derender cannot do (no echo; logprob tokens by text only): refused in that mode
+_SIDECAR_REFUSES = {"echo": ECHO_NEEDS_IN_PROCESS, "return_tokens_as_token_ids": IDS_NEED_IN_PROCESS}
 
 
 def _sse(*events: Any) -> bytes:
@@ -148,14 +151,15 @@ def test_gateway_answer_equals_native_vllm(
     case: Case, mode: str, stack: RunningStack, request: pytest.FixtureRequest, conformance_client: httpx.Client
 ) -> None:
     gateway_url = _gateway_url(mode, request)
-    if mode == "sidecar" and case.spec.body.get("echo"):  # vLLM 0.32's /derender does not echo
+    refused = next((field for field in _SIDECAR_REFUSES if case.spec.body.get(field)), None)
+    if mode == "sidecar" and refused is not None:  # vLLM 0.32's /derender cannot: a clear 400
         answer = fetch(conformance_client, gateway_url, case, stack.config.model.served_name)
         assert answer.normalized == {
             "status": 400,
             "error": {
                 "type": "invalid_request_error",
-                "message": ECHO_NEEDS_IN_PROCESS,
-                "param": "echo",
+                "message": _SIDECAR_REFUSES[refused],
+                "param": refused,
                 "code": "unsupported_with_sidecar_derender",
             },
         }
@@ -223,16 +227,16 @@ def test_the_official_openai_client_reads_responses_from_the_gateway_as_native(n
         assert events[0] == "response.created" and events[-1] == "response.completed"
         return [_sdk_response(whole), _sdk_response(streamed)]
 
+    answers(stack.engine_url)  # the prompt cached: every answer below counts the same cache hits
     assert answers(stack.base_url) == answers(stack.engine_url)
 
 
 def _sdk_response(response: Any) -> dict[str, Any]:
-    """The SDK's response less its random values (ids, creation time, cached tokens)."""
+    """The SDK's response less its random values (ids, creation time)."""
     dumped: dict[str, Any] = response.model_dump(exclude={"id", "created_at"})
     for item in dumped["output"]:
         item.pop("id", None)
         item.pop("call_id", None)
-    dumped["usage"]["input_tokens_details"].pop("cached_tokens", None)
     return dumped
 
 
@@ -257,6 +261,7 @@ def test_the_official_anthropic_client_reads_the_gateway_as_native(name: str, st
         assert events[0] == "message_start" and events[-1] == "message_stop"
         return [_sdk_message(whole), _sdk_message(streamed)]
 
+    answers(stack.engine_url)  # the prompt cached: every answer below counts the same cache hits
     assert answers(stack.base_url) == answers(stack.engine_url)
 
 
@@ -267,3 +272,84 @@ def _sdk_message(message: Any) -> dict[str, Any]:
         block.pop("signature", None)
         block.pop("id", None)
     return dumped
+
+
+# A prompt of several KV blocks (128 tokens each): its answers count prefix-cache hits
+_LONG = "Once upon a time a brave little robot crossed the river of stars. " * 24
+_CACHED_USAGE: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}], "max_tokens": 3}),
+    "completions": ("/v1/completions", {"prompt": _LONG, "max_tokens": 3}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": _LONG}], "max_tokens": 3}),
+    "responses": ("/v1/responses", {"input": _LONG, "max_output_tokens": 3}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", list(_CACHED_USAGE))
+def test_prefix_cache_hits_are_reported_as_native_reports_them(
+    api: str, stream: bool, mode: str, stack: RunningStack, request: pytest.FixtureRequest
+) -> None:
+    """The engines run with `--enable-prompt-tokens-details`: in the same cache state (the
+    prompt seen once before), the gateway's usage equals native's, cached tokens included."""
+    path, body = _CACHED_USAGE[api]
+    body = {**body, "model": stack.config.model.served_name, "temperature": 0.0, "stream": stream}
+    if stream and api in ("chat", "completions"):
+        body["stream_options"] = {"include_usage": True}
+    httpx.post(stack.engine_url + path, json=body, timeout=60).raise_for_status()  # the prompt cached
+    native = _final_usage(stack.engine_url + path, body)
+    assert native == _final_usage(_gateway_url(mode, request) + path, body)
+    cached = {
+        "chat": lambda u: u["prompt_tokens_details"]["cached_tokens"],
+        "completions": lambda u: u["prompt_tokens_details"]["cached_tokens"],
+        "messages": lambda u: u["cache_read_input_tokens"],
+        "responses": lambda u: u["input_tokens_details"]["cached_tokens"],
+    }[api](native)
+    assert cached >= 128, native
+
+
+def _final_usage(url: str, body: dict[str, Any]) -> Any:
+    """The usage of a whole answer, or of a stream's last event that carries one."""
+    if not body["stream"]:
+        answer = httpx.post(url, json=body, timeout=60)
+        answer.raise_for_status()
+        return answer.json()["usage"]
+    usage = None
+    with httpx.stream("POST", url, json=body, timeout=60) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[len("data: ") :])
+            if data.get("type") == "message_start":  # Anthropic: the counts so far, then more
+                usage = data["message"]["usage"]
+            elif data.get("type") == "message_delta":
+                usage = {**usage, **data["usage"]}
+            else:
+                usage = data.get("usage") or (data.get("response") or {}).get("usage") or usage
+    return usage
+
+
+# where each API reports a prompt's cache counts, and its cache writes among them
+_PROMPT_DETAILS = {
+    "chat": (lambda u: u["prompt_tokens_details"], "created_cache_tokens"),
+    "messages": (lambda u: {k: v for k, v in u.items() if k != "output_tokens"}, "cache_creation_input_tokens"),
+    "responses": (lambda u: u["input_tokens_details"], "cache_write_tokens"),
+}
+
+
+@pytest.mark.parametrize("api", list(_PROMPT_DETAILS))
+def test_a_new_prompt_reports_the_blocks_its_prefill_wrote(api: str, stack: RunningStack) -> None:
+    """Cache writes are counted by the engine and not reported by generate; the gateway counts
+    them as the engine does (the prompt's full blocks less its hits). Two new prompts of one
+    length (single-digit tokens differ), one to each side."""
+    path, body = _CACHED_USAGE[api]
+    read, written = _PROMPT_DETAILS[api]
+    details = []
+    for url in (stack.engine_url, stack.base_url):
+        fresh = f"Story {secrets.randbelow(10**8):08d}: " + _LONG
+        asked = json.loads(json.dumps(body).replace(json.dumps(_LONG), json.dumps(fresh)))
+        asked |= {"model": stack.config.model.served_name, "temperature": 0.0}
+        details.append(read(_final_usage(url + path, {**asked, "stream": False})))
+    assert details[0] == details[1]
+    assert details[0][written] >= 128, details

@@ -233,3 +233,30 @@ def test_scripted_tool_calls_are_function_call_items_whole_and_streamed(gw: SimG
             ("function_call", "get_weather", {"city": "東京 🗼"}),
         ]
     assert "response.function_call_arguments.delta" in kinds
+
+
+def test_responses_output_logprobs_are_the_engines_whole_and_streamed(gw: SimGateway) -> None:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "input": "logprobs?",
+        "max_output_tokens": 6,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    whole = _responses(gw).create(**body)
+    with _responses(gw).stream(**body) as stream:
+        deltas = [event.logprobs for event in stream if event.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    # completions inside: the sampled token and the top 2, one more asked of generate
+    asked = [r.json()["sampling_params"]["logprobs"] for sim in gw.sims for r in sim.generate_requests()]
+    assert asked == [3, 3]
+    for response in (whole, streamed):
+        [part] = response.output[0].content  # type: ignore[union-attr]
+        assert part.logprobs is not None and len(part.logprobs) == 6
+        assert all(len(p.top_logprobs) == 2 for p in part.logprobs)
+    assert whole.output[0].content[0].logprobs == streamed.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert [(p.token, p.logprob) for d in deltas for p in d] == [
+        (p.token, p.logprob)
+        for p in streamed.output[0].content[0].logprobs  # type: ignore[union-attr]
+    ]

@@ -226,3 +226,36 @@ def test_chat_echo_repeats_the_continued_message_before_the_output(model: Any) -
         {"content": "Once upon"},
     ]
     assert chunks[2]["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.1  # not merged into the echo
+
+
+def test_prompt_cache_counts_are_native_usage_details(model: Any) -> None:
+    """Generate reports the cached tokens; chat adds the prompt's full blocks (128 tokens)
+    the prefill wrote beyond them, as the engine counts them."""
+    assert model.prompt_details(True, 300, 0, whole=True) == {
+        "cached_tokens": 0,
+        "created_cache_tokens": 256,
+        "multimodal_tokens": None,
+    }
+    assert model.prompt_details(True, 300, 256, whole=False) == {"cached_tokens": 256, "created_cache_tokens": 0}
+    assert model.prompt_details(False, 300, 128, whole=False) == {"cached_tokens": 128}
+    assert model.prompt_details(True, 100, 0, whole=False) == {"cached_tokens": 0, "created_cache_tokens": 0}
+
+
+def test_the_engines_cached_tokens_reach_the_final_usage_chunk(model: Any) -> None:
+    body = {"messages": [], "stream": True, "stream_options": {"include_usage": True}}
+    usage = {
+        "prompt_tokens": 9,
+        "total_tokens": 10,
+        "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    chunks = _stream(model, _request(model, ApiKind.CHAT, body), [*_events(_ids(model, "hi")), {"usage": usage}])
+    final = chunks[-1]["usage"]
+    assert list(final) == [
+        "prompt_tokens",
+        "total_tokens",
+        "completion_tokens",
+        "prompt_tokens_details",
+        "completion_tokens_details",
+    ]
+    assert final["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0}

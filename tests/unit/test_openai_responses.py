@@ -176,7 +176,6 @@ def test_the_completions_request_inside_carries_renders_params_and_asks_for_usag
         ({"previous_response_id": "resp_1"}, 404, "response_id"),
         ({"tools": [{"type": "web_search_preview"}]}, 400, "tools"),
         ({"input": 5}, 400, None),
-        ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, 400, "include"),
     ],
 )
 def test_what_needs_a_store_or_a_tool_server_is_refused(
