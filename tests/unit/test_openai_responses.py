@@ -1,7 +1,8 @@
 """OpenAI Responses over completions (ext_proc/derender/responses.py): vLLM's Responses stream
 generator stepped by hand over a completions stream gives exactly what it gives when native
 serving drives it with the engine's outputs, however the chunks are grouped; the whole answer
-is native's; the request front refuses what native refuses without a store."""
+is native's; the request front refuses what native refuses without a store; output logprobs
+are the engine's."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def _client(body: dict[str, Any]) -> Any:
     return asyncio.run(responses_request(orjson.dumps({"model": "tiny", "input": "hi", **body}), "t"))
 
 
-def _inside(serving: Any, client: Any, stream: bool) -> TokenizedRequest:
+def _inside(serving: Any, client: Any, stream: bool, sampling: dict[str, Any] | None = None) -> TokenizedRequest:
     ids = [int(t) for t in serving.model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
-    rendered = {"token_ids": ids, "sampling_params": {"max_tokens": 50}, "request_id": client.request_id}
+    params = sampling or {"max_tokens": 50}
+    rendered = {"token_ids": ids, "sampling_params": params, "request_id": client.request_id}
     rendered["stream"] = stream
     request = OpenAIRequest(ApiKind.RESPONSES, {"model": "tiny", "input": "hi"})
     return serving.inside(TokenizedRequest(request, client.request_id, [PromptTokens.rendered(rendered)]), client)
@@ -194,3 +196,73 @@ def test_what_needs_a_store_or_a_tool_server_is_refused(
             "param": "response_id",
             "code": 404,
         }
+
+
+# Output logprobs: the completions request inside asks for token-id logprobs, and each step's
+# become the `dict[id, Logprob]` per position the engine's own logprobs processor makes.
+TOP = 3
+LOGPROBS = {"include": ["message.output_text.logprobs"], "top_logprobs": TOP}
+
+
+def _logprobs_inside(serving: Any, body: dict[str, Any], sampling: dict[str, Any]) -> TokenizedRequest:
+    return _inside(serving, _client(body), True, sampling)
+
+
+def test_the_request_inside_asks_for_token_id_logprobs_only_when_included(serving: Any) -> None:
+    body = _logprobs_inside(serving, LOGPROBS, {"max_tokens": 5, "logprobs": TOP}).request.body
+    assert body["logprobs"] == TOP and body["return_tokens_as_token_ids"] is True
+    body = _logprobs_inside(serving, {}, {"max_tokens": 5}).request.body
+    assert "logprobs" not in body and "return_tokens_as_token_ids" not in body
+
+
+def _engine_positions(tokenizer: Any, steps: list[tuple[list[int], list[float], int]]) -> list[dict[int, Any]]:
+    """What native's engine holds: vLLM's own logprobs processor fed the sampler's rows."""
+    import numpy as np
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    processor = LogprobsProcessor(tokenizer, [], None, 0.0, TOP, None)
+    for ids, logprobs, rank in steps:
+        processor._update_sample_logprobs(LogprobsLists(np.array([ids]), np.array([logprobs]), np.array([rank])))
+    assert processor.logprobs is not None
+    return list(processor.logprobs)
+
+
+def _completions_logprobs(position: dict[int, Any]) -> dict[str, Any]:
+    """Native completions' logprobs of one position with `return_tokens_as_token_ids`."""
+    sampled, first = next(iter(position.items()))
+    return {
+        "tokens": [f"token_id:{sampled}"],
+        "token_logprobs": [first.logprob],
+        "top_logprobs": [{f"token_id:{t}": lp.logprob for i, (t, lp) in enumerate(position.items()) if i <= TOP}],
+        "text_offset": [0],
+    }
+
+
+def test_each_steps_logprobs_are_the_engines_positions(serving: Any) -> None:
+    tokenizer = serving.model.tokenizer
+    rng = random.Random(7)
+    sampled = [int(t) for t in tokenizer.encode("Hi 🐉 東京 🗼!")]  # characters split over byte tokens
+    pieces = [int(t) for t in tokenizer.encode("🐉🗼東")]  # candidates that decode to "" alone
+    steps = []
+    for token in sampled:
+        top = rng.sample([*pieces, *rng.sample(range(1000), 3)], TOP)
+        ids = [token, *top]
+        logprobs = sorted((-rng.random() * 9 for _ in ids), reverse=True)
+        steps.append((ids, [logprobs[0], *logprobs[1:]], rng.randint(1, TOP + 2)))
+    engine = _engine_positions(tokenizer, steps)
+    answer = _logprobs_inside(serving, LOGPROBS, {"max_tokens": 20, "logprobs": TOP}).request.conversion
+    assert answer is not None
+    for position in engine:
+        choice = {"text": "", "token_ids": [next(iter(position))], "logprobs": _completions_logprobs(position)}
+        [ours] = answer.output(choice).outputs[0].logprobs
+        shown = list(position.items())[: TOP + 1]
+        assert [(t, lp.logprob, lp.decoded_token) for t, lp in ours.items()] == [
+            (t, lp.logprob, lp.decoded_token) for t, lp in shown
+        ]
+    assert any(lp.decoded_token == "" for position in engine for lp in position.values())
+
+
+def test_a_step_without_logprobs_has_none(serving: Any) -> None:
+    answer = _logprobs_inside(serving, {}, {"max_tokens": 5}).request.conversion
+    assert answer.output({"text": "a", "token_ids": [64]}).outputs[0].logprobs is None
