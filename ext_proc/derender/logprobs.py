@@ -135,9 +135,19 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's `format_token_id_placeholder`
+
+
 def _token(token_id: int, text: str, as_ids: bool) -> str:
     """A logprob entry's token: its text, or `token_id:<id>` (`return_tokens_as_token_ids`)."""
-    return f"token_id:{token_id}" if as_ids else text
+    return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else text
+
+
+def token_id_of(token: str) -> int:
+    """The id a logprob token named by id stands for (`_token`'s inverse)."""
+    if not token.startswith(TOKEN_ID_PREFIX):
+        raise ValueError(f"a logprob token without its id: {token!r}")
+    return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
 def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None, as_ids: bool = False) -> dict[str, Any]:

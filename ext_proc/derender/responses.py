@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from ext_proc.derender.in_process import DerenderModel, cached_tokens
+from ext_proc.derender.logprobs import token_id_of
 from ext_proc.derender.streaming import DONE
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.stepped import Stepped, run_coroutine
@@ -66,7 +67,6 @@ _COMPLETION_PARAMS = (
     "structured_outputs",
     "logprobs",  # the output logprobs' `top_logprobs`, set only when they are included
 )
-TOKEN_ID_PREFIX = "token_id:"  # vLLM's `format_token_id_placeholder`
 # SamplingParams' defaults, for the fields the answer echoes (render leaves defaults out)
 _ECHOED = {
     "temperature": 1.0,
@@ -203,9 +203,9 @@ class ResponsesAnswer:
             return None
         content = [
             {
-                "token_id": _token_id(token),
+                "token_id": token_id_of(token),
                 "logprob": logprob,
-                "top_logprobs": [{"token_id": _token_id(t), "logprob": v} for t, v in (top or {}).items()],
+                "top_logprobs": [{"token_id": token_id_of(t), "logprob": v} for t, v in (top or {}).items()],
             }
             for token, logprob, top in zip(
                 logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
@@ -326,13 +326,6 @@ class ResponsesStream:
         }
         self._sent += 1
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
-def _token_id(token: str) -> int:
-    """The id a completions logprob token names (`return_tokens_as_token_ids`)."""
-    if not token.startswith(TOKEN_ID_PREFIX):
-        raise ValueError(f"a logprob token without its id: {token!r}")
-    return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
 async def _nothing() -> AsyncIterator[Any]:
