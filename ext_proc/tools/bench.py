@@ -423,8 +423,7 @@ def format_report(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tito bench", description=__doc__.splitlines()[0] if __doc__ else None)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway", required=True, help="gateway base URL (Envoy listener), e.g. http://127.0.0.1:8080"
     )
@@ -441,7 +440,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1000, help="seed of request 0 (request i uses seed + i)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    return parser
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -460,19 +458,32 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _argument_error(args: argparse.Namespace) -> str | None:
+    """What argparse cannot check one argument at a time."""
     if args.tools and args.api != "chat":
-        parser.error("--tools needs --api chat")
+        return "--tools needs --api chat"
     if args.concurrency < 1 or args.max_tokens < 1 or (args.requests is not None and args.requests < 1):
-        parser.error("--concurrency, --max-tokens and --requests must be positive")
+        return "--concurrency, --max-tokens and --requests must be positive"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    error = _argument_error(args)
+    if error:  # as argparse reports a usage error: the message, exit status 2
+        print(f"tito bench: error: {error}", file=sys.stderr)
+        return 2
     report = asyncio.run(run_bench(options_from_args(args)))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print(format_report(report))
     return 1 if report.errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tito bench", description=__doc__.splitlines()[0] if __doc__ else None)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -145,16 +145,23 @@ def _code(text: str) -> str:
     return f"`{text}`" if text else ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tito config-reference", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the page here (default: stdout)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     page = reference()
     if args.out:
         Path(args.out).write_text(page)
     else:
         sys.stdout.write(page)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tito config-reference", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

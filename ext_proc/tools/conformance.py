@@ -970,10 +970,7 @@ def select(only: str | None) -> list[Case]:
     return [c for c in CASES if not only or only in c.name]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tito conformance", description="the gateway's OpenAI answers vs the engine's native ones"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", required=True, help="gateway base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--native", required=True, help="the engine's own OpenAI base URL, e.g. http://127.0.0.1:8200")
     parser.add_argument("--model", required=True, help="served model name")
@@ -985,7 +982,9 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="OpenAI chat/completions, Anthropic Messages, OpenAI Responses",
     )
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     from ext_proc.tools import messages_conformance as messages
     from ext_proc.tools import responses_conformance as responses
 
@@ -1018,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
             print(result.report(), flush=True)
     print(f"{len(runs) - failed}/{len(runs)} cases pass", file=sys.stderr)
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tito conformance", description="the gateway's OpenAI answers vs the engine's native ones"
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -69,10 +69,11 @@ def report(config: TitoConfig, capabilities: Capabilities) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tito engines", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config file (default: $TITO_CONFIG, else built-in defaults)")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """None of its own: the engines are the global --config's."""
+
+
+def run(args: argparse.Namespace) -> int:
     logging.getLogger("tito").setLevel(logging.ERROR)  # the lines below say it all
     ready = True
     for base in load_config(args.config).bases():  # each base model: its render endpoints and engines
@@ -81,3 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         ready = ready and capabilities.ready()
     return 0 if ready else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ext_proc.cli import add_global_options  # the very --config (and --log-level) of `tito engines`
+
+    parser = argparse.ArgumentParser(prog="tito engines", description=__doc__.splitlines()[0])
+    add_global_options(parser)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -84,7 +84,7 @@ class ManagedProcess:
             return ""
 
 
-def _generated(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig:
+def with_model_paths(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig:
     """The base model with its paths: the n-th base's tiny model and adapters generated when
     the config names none."""
     path = model.path or str(ensure_tiny_model(cache_dir, vocab_size=TINY_VOCAB - 256 * n))
@@ -151,7 +151,7 @@ class LocalStack:
         # subscribes to the KV cache events the engines are started to publish.
         cache_dir = Path(config.local.cache_dir).expanduser()
         ports = iter(range(config.local.kv_events_port, 65536, 2))
-        bases = [_generated(base.model, n, cache_dir) for n, base in enumerate(config.bases())]
+        bases = [with_model_paths(base.model, n, cache_dir) for n, base in enumerate(config.bases())]
         pools = [_with_kv_events(base, ports) for base in config.bases()]
         models = [
             entry.model_copy(update={"model": model, "pools": base_pools})
@@ -223,6 +223,7 @@ class LocalStack:
                 pool.block_size,
                 scale_out=instance.address not in self.config.local.engines_without_scale_out,
                 lora=self.config.lora,
+                dtype="float32",  # ties between top logprobs rare (bf16 is the existing-pool e2e's)
             ) + list(self.config.local.engine_extra_args)
             # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
             side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}

@@ -23,7 +23,6 @@ import httpx
 import pytest
 
 from ext_proc.config import Endpoint
-from render_sidecar.launch import RENDER_MODULE
 from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway, scrape
 from tests.render_proxy import RenderFault, RenderProxy, RenderProxyServer
 
@@ -54,7 +53,7 @@ def _render_pids(port: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (b"render" in b" ".join(argv) or RENDER_MODULE.encode() in argv) and str(port).encode() in argv:
+        if b"render" in b" ".join(argv) and str(port).encode() in argv:
             pids.append(int(entry.name))
     return pids
 

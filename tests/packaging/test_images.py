@@ -351,9 +351,11 @@ def test_a_lean_install_runs_the_cli_and_envoy_config(lean: Environment, tmp_pat
     [
         (["processor"], "processor"),
         (["tiny-model", "--cache-dir", "{tmp}"], "processor"),
+        (["render"], "processor"),
+        (["vllm", "serve", "--help"], "processor"),
         (["up"], "engine"),
     ],
-    ids=["processor", "tiny-model", "up"],
+    ids=["processor", "tiny-model", "render", "vllm", "up"],
 )
 def test_a_lean_install_names_the_extra_a_command_needs(
     lean: Environment, tmp_path: Path, args: list[str], extra: str
