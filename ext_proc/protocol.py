@@ -194,6 +194,13 @@ class TokenizedRequest:
         return self.request.api
 
     @property
+    def shows_sampled_beside_k(self) -> bool:
+        """Its client sees each position's sampled token beside the engine's top k candidates
+        (k + 1 entries where it ranks outside them): completions' logprobs. Chat and Responses
+        show the first k (`token_only.engine_logprobs`)."""
+        return self.request.api is ApiKind.COMPLETIONS and self.request.family is ApiFamily.OPENAI
+
+    @property
     def stream(self) -> bool:
         """As render understood the request (it accepts what vLLM accepts, e.g. "true")."""
         rendered = self.prompts[0].generate_request if self.prompts else None

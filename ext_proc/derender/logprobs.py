@@ -4,7 +4,9 @@ Native serving decodes each position's ids on the engine (`LogprobsProcessor`: o
 `convert_ids_list_to_tokens` per position, U+FFFD repaired with the last four sampled ids as
 context) into `dict[id, Logprob]`, sampled id first; chat keeps the first `top_logprobs`
 entries of that dict, completions the first `logprobs + 1`. Both derender modes use this
-module, so their logprobs are the engine's, byte for byte.
+module, so their logprobs are the engine's, byte for byte, in the engine's order: nothing
+here sorts or ranks candidates (tied logprobs are common, and their order is the engine's
+`topk`'s, see `token_only.engine_logprobs`).
 """
 
 from __future__ import annotations
@@ -190,9 +192,8 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """`CompletionLogProbs` as native completions serving builds it; `text_offset` is where
     this chunk's first token starts in the choice's text (advanced, as natively, by each
-    token's length: an id's with `as_ids`). The engine was asked for k + 1 candidates
-    (`token_only.generate_body`): the sampled token and ranks 1..k are kept. An echoed
-    prompt's first token has no logprob."""
+    token's length: an id's with `as_ids`). The sampled token and the engine's first `top`
+    candidates are kept (`_kept`). An echoed prompt's first token has no logprob."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -206,15 +207,24 @@ def completion_logprobs(
             continue
         tokens.append(_token(position.sampled.token_id, position.sampled.text, as_ids))
         token_logprobs.append(position.sampled.logprob)
-        kept = [c for i, c in enumerate(position.candidates) if top == -1 or i == 0 or (c.rank or 0) <= top]
+        kept = [c for i, c in enumerate(position.candidates) if _kept(i, c.rank, top)]
         top_logprobs.append({_token(c.token_id, c.text, as_ids): c.logprob for c in kept})
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
 
 
+def _kept(index: int, rank: int | None, top: int) -> bool:
+    """Whether a completions answer shows a position's candidate: the sampled token (first)
+    and the engine's first `top` candidates, in its order. The engine may have been asked for
+    one more (`token_only.engine_logprobs`), which goes. A candidate's rank is its place in
+    the engine's topk (vLLM's `append_logprobs_for_next_position`), not a rank by value, so
+    tied candidates are kept or dropped as the engine ordered them."""
+    return top == -1 or index == 0 or (rank or 0) <= top
+
+
 def trim_completion_candidates(generate: dict[str, Any], top: int) -> None:
-    """For a derenderer that shows every candidate it gets (the sidecar): drop, in place, the
-    extra candidate `generate_body` asked for, keeping the sampled token and ranks 1..top."""
+    """For a derenderer that shows every candidate it gets (the sidecar): keep, in place,
+    the candidates a completions answer shows (`_kept`)."""
     for choice in generate.get("choices") or []:
         for entry in (choice.get("logprobs") or {}).get("content") or []:
             tops = entry.get("top_logprobs") or []
-            entry["top_logprobs"] = [t for i, t in enumerate(tops) if i == 0 or (t.get("rank") or 0) <= top]
+            entry["top_logprobs"] = [t for i, t in enumerate(tops) if _kept(i, t.get("rank"), top)]

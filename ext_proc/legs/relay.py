@@ -147,11 +147,10 @@ class PromptStream:
         min_tokens = self._first.prompt.sampling_params.get("min_tokens")
         if self.committed and min_tokens:
             min_tokens = max(0, int(min_tokens) - len(self.committed))
-        api = self._plan.tokenized.api
         return generate_body(
             leg.prompt,
             leg.max_tokens,
-            api,
+            self._plan.tokenized.shows_sampled_beside_k,
             request_id=leg.lease_id,
             min_tokens=min_tokens or None,
             kv_transfer_params=kv_transfer_params,

@@ -89,9 +89,9 @@ class Triggers:
             return 503, {"error": "no healthy prefill instance"}
         forced = {k: v for k, v in params.items() if k != "metaserver"}
         forced |= {"do_remote_decode": True, "do_remote_prefill": False}
-        api = waiting.plan.tokenized.api
+        beside_k = waiting.plan.tokenized.shows_sampled_beside_k
         body = generate_body(
-            leg.prompt, 1, api, request_id=leg.lease_id, prefill=True, kv_transfer_params=forced, min_tokens=1
+            leg.prompt, 1, beside_k, request_id=leg.lease_id, prefill=True, kv_transfer_params=forced, min_tokens=1
         )
         host = leg.hosts[0]
         try:

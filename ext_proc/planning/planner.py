@@ -465,11 +465,10 @@ class Planner:
 def routed_body(plan: TokenOnly) -> bytes:
     """The generate body of the leg Envoy routes (after a Handoff, with prefill's KV params)."""
     leg = plan.routed
-    api = plan.tokenized.api
     return generate_body(
         leg.prompt,
         leg.max_tokens,
-        api,
+        plan.tokenized.shows_sampled_beside_k,
         request_id=leg.lease_id,
         kv_transfer_params=plan.kv_transfer_params,
         stream=plan.tokenized.generate_streams,
@@ -480,7 +479,9 @@ def routed_body(plan: TokenOnly) -> bytes:
 def prefill_body(plan: TokenOnly) -> bytes:
     leg = plan.prefill
     assert leg is not None
-    return generate_body(leg.prompt, leg.max_tokens, plan.tokenized.api, request_id=leg.lease_id, prefill=True)
+    return generate_body(
+        leg.prompt, leg.max_tokens, plan.tokenized.shows_sampled_beside_k, request_id=leg.lease_id, prefill=True
+    )
 
 
 def _lora(adapter: Adapter | None) -> dict[str, Any]:

@@ -248,9 +248,9 @@ def test_responses_output_logprobs_are_the_engines_whole_and_streamed(gw: SimGat
     with _responses(gw).stream(**body) as stream:
         deltas = [event.logprobs for event in stream if event.type == "response.output_text.delta"]
         streamed = stream.get_final_response()
-    # completions inside: the sampled token and the top 2, one more asked of generate
+    # native Responses shows the first k candidates, as chat: the engine is asked for the client's k
     asked = [r.json()["sampling_params"]["logprobs"] for sim in gw.sims for r in sim.generate_requests()]
-    assert asked == [3, 3]
+    assert asked == [2, 2]
     for response in (whole, streamed):
         [part] = response.output[0].content  # type: ignore[union-attr]
         assert part.logprobs is not None and len(part.logprobs) == 6

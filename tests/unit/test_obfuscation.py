@@ -67,7 +67,7 @@ def test_a_prompt_gets_physical_ids_and_id_valued_sampling_params() -> None:
     assert params["stop_token_ids"] == p.obfuscate([8])
     assert params["allowed_token_ids"] == p.obfuscate([10, 11])
     assert params["logit_bias"] == {str(p.obfuscate([9])[0]): 1.5}
-    generate_body(prompt, 4, ApiKind.COMPLETIONS)  # serializable as it is
+    generate_body(prompt, 4, sampled_beside_k=True)  # serializable as it is
     assert params["n"] == 1
     with pytest.raises(GatewayError) as err:
         codec.prompt(PromptTokens([5, 6]))  # locally tokenized: never for an obfuscated engine

@@ -3,7 +3,7 @@ from __future__ import annotations
 import orjson
 
 from ext_proc.frontend.token_only import generate_body, requested_max_tokens
-from ext_proc.protocol import ApiKind, PromptTokens
+from ext_proc.protocol import PromptTokens
 
 RENDERED = {
     "request_id": "chatcmpl-1",
@@ -18,7 +18,7 @@ RENDERED = {
 def test_max_tokens_16_restored_when_render_omitted_it() -> None:
     prompt = PromptTokens.rendered(RENDERED)
     assert requested_max_tokens(prompt) == 16
-    body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt), ApiKind.CHAT))
+    body = orjson.loads(generate_body(prompt, requested_max_tokens(prompt), sampled_beside_k=False))
     assert body["sampling_params"]["max_tokens"] == 16
     assert "max_tokens" not in RENDERED["sampling_params"]  # render output left intact
 
@@ -27,7 +27,7 @@ def test_render_fields_pass_through_with_the_final_max_tokens() -> None:
     rendered = {**RENDERED, "sampling_params": {"max_tokens": 700, "seed": 3}}
     prompt = PromptTokens.rendered(rendered)
     assert requested_max_tokens(prompt) == 700
-    body = orjson.loads(generate_body(prompt, 44, ApiKind.CHAT))
+    body = orjson.loads(generate_body(prompt, 44, sampled_beside_k=False))
     assert body["token_ids"] == [1, 2, 3]
     assert body["sampling_params"] == {"max_tokens": 44, "seed": 3}
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
@@ -38,8 +38,8 @@ def test_render_fields_pass_through_with_the_final_max_tokens() -> None:
 def test_completions_logprobs_ask_the_engine_for_one_more_candidate() -> None:
     """Native completions list the sampled token and the top k; generate's list holds k in all."""
     prompt = PromptTokens.rendered({**RENDERED, "sampling_params": {"logprobs": 2}})
-    assert orjson.loads(generate_body(prompt, 8, ApiKind.COMPLETIONS))["sampling_params"]["logprobs"] == 3
-    assert orjson.loads(generate_body(prompt, 8, ApiKind.CHAT))["sampling_params"]["logprobs"] == 2
+    assert orjson.loads(generate_body(prompt, 8, sampled_beside_k=True))["sampling_params"]["logprobs"] == 3
+    assert orjson.loads(generate_body(prompt, 8, sampled_beside_k=False))["sampling_params"]["logprobs"] == 2
 
 
 def test_client_fields_that_steer_engines_never_reach_them() -> None:
@@ -55,7 +55,7 @@ def test_client_fields_that_steer_engines_never_reach_them() -> None:
         "token_offsets": [[0, 1]],
         "reasoning_ended": False,
     }
-    body = orjson.loads(generate_body(PromptTokens.rendered(rendered), 4, ApiKind.CHAT))
+    body = orjson.loads(generate_body(PromptTokens.rendered(rendered), 4, sampled_beside_k=False))
     assert not {"priority", "cache_salt", "kv_transfer_params", "ec_transfer_params", "token_offsets"} & set(body)
     assert body["sampling_params"] == {"max_tokens": 4}
     assert body["reasoning_ended"] is False and body["stream"] is True
@@ -63,10 +63,10 @@ def test_client_fields_that_steer_engines_never_reach_them() -> None:
 
 def test_a_stream_asks_for_k_tokens_per_event_and_a_whole_answer_never() -> None:
     prompt = PromptTokens.rendered(RENDERED)
-    params = orjson.loads(generate_body(prompt, 8, ApiKind.CHAT, stream_interval=4))["sampling_params"]
+    params = orjson.loads(generate_body(prompt, 8, sampled_beside_k=False, stream_interval=4))["sampling_params"]
     assert params["stream_interval"] == 4
-    assert "stream_interval" not in orjson.loads(generate_body(prompt, 8, ApiKind.CHAT))["sampling_params"]
-    whole = orjson.loads(generate_body(prompt, 8, ApiKind.COMPLETIONS, stream=False, stream_interval=4))
+    assert "stream_interval" not in orjson.loads(generate_body(prompt, 8, sampled_beside_k=False))["sampling_params"]
+    whole = orjson.loads(generate_body(prompt, 8, sampled_beside_k=True, stream=False, stream_interval=4))
     assert whole["stream"] is False and whole["stream_options"] is None
     assert "stream_interval" not in whole["sampling_params"]
 
