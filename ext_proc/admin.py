@@ -77,6 +77,26 @@ def readiness(services: Services) -> dict[str, bool]:
     return {"serving": not services.process.draining} | {key: all(b[key] for b in bases) for key in bases[0]}
 
 
+# What a failed check of `/ready` means, in its body.
+_UNREADY = {
+    "serving": "draining",
+    "tokenization": "render is down or disagrees with the engines' tokenizer, and no local tokenizer may stand in",
+    "engines": "every engine's breaker is open",
+}
+
+
+def unready_reasons(services: Services) -> list[str]:
+    """Why `/ready` is 503, one line per failing check; the pools without an engine that
+    routes are named each, with why every one of its engines is held out."""
+    checks = readiness(services)
+    reasons = [f"{check}: {_UNREADY[check]}" for check, ok in checks.items() if not ok and check in _UNREADY]
+    for base in services.bases:
+        model = f"model {base.config.model.served_name}: " if len(services.bases) > 1 else ""
+        if base.capabilities is not None:
+            reasons += [f"{model}pool {pool}: {why}" for pool, why in base.capabilities.unready().items()]
+    return reasons
+
+
 def _base_ready(services: Services) -> dict[str, bool]:
     tokenization = services.tokenization.snapshot()
     render_up = (
@@ -137,8 +157,11 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond("200 OK", "text/plain", b"ok\n")
         elif path == "/ready":
             checks = readiness(services)
-            status = 200 if all(checks.values()) else 503
-            response = _respond(_STATUS[status], "application/json", orjson.dumps({"ready": status == 200, **checks}))
+            if all(checks.values()):
+                response = _respond("200 OK", "application/json", orjson.dumps({"ready": True, **checks}))
+            else:
+                unready = {"ready": False, **checks, "reasons": unready_reasons(services)}
+                response = _respond(_STATUS[503], "application/json", orjson.dumps(unready))
         elif path == "/debug/state":
             response = _respond("200 OK", "application/json", orjson.dumps(state(services)))
         elif path == "/metrics":

@@ -384,8 +384,8 @@ class CapabilitiesConfig(_Strict):
     version, models, max_model_len, LoRA adapters, KV block size and hash, KV event sources,
     whether token-only generate is live (an engine without it is served natively from its
     first request), and whether its tokenizer agrees with render's (a canary chat rendered
-    and tokenized). An engine routes once its record is complete; `/ready` waits for one
-    routable engine per pool.
+    and tokenized). An engine routes once its record is complete, and stops at once when a
+    probe or liveness check fails; `/ready` is 503 while some pool has no engine that routes.
 
     on_mismatch: what a block size, hash algorithm or max_model_len other than the config's
     does: `adopt` (the engine's value is used: the pool's prefix index hashes in its block
@@ -399,6 +399,12 @@ class CapabilitiesConfig(_Strict):
     # an endpoint that cannot be probed is tried again after retry_min_s, doubling to retry_max_s
     retry_min_s: float = 0.5
     retry_max_s: float = 5.0
+    # liveness: every engine's `GET /health` this often, and at once after a client request
+    # failed on it; one that fails it (no connection, a 5xx, no answer within
+    # health_timeout_s) stops routing at once and is probed with the backoff above, and its
+    # first passing check after that brings on the full probe at once
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)  # per liveness check
 
 
 class LoggingConfig(_Strict):

@@ -204,6 +204,7 @@ def build_services(
         render_pool.on_render = observability.render_attempt
     if capabilities is not None:
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
+        planner.on_engine_failed = capabilities.engine_failed  # a dead engine leaves routing at once
     model = DerenderModel(config.model, answering_block_size(config))
     services = Services(
         config=config,

@@ -2,9 +2,10 @@
 
 Pure (no I/O): `ext_proc/legs/capabilities.py` probes the endpoints and hands the records
 here. A record is complete when the endpoint answered its model list and (engines) the
-token-only probe; until then an engine does not route. `assess` compares a record with the
-config and with the tokenizer the gateway renders with, and says whether the engine routes,
-whether it takes token-only generate, and what differs.
+token-only probe; until then an engine does not route, nor while its last probe or liveness
+check failed (`error`). `assess` compares a record with the config and with the tokenizer the
+gateway renders with, and says whether the engine routes, whether it takes token-only
+generate, and what differs.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def token_only_route(status: int) -> TokenOnlyRoute:
 
 @dataclass(frozen=True)
 class EngineCapabilities:
-    """One engine's record, as of `probed_at` (the scheduler's clock). A failed refresh keeps
-    the last good record with `error` set (stale), never an empty one."""
+    """One engine's record, as of `probed_at` (the scheduler's clock). A failed probe or
+    liveness check keeps the last good record's facts with `error` set (why it does not
+    route until a probe passes again), never an empty one."""
 
     address: str
     version: str | None = None
@@ -118,6 +120,8 @@ def assess(
         reason = record.error if record is not None and record.error else "not probed yet"
         return Assessment(False, False, held_out=f"no capability record: {reason}")
     token_only = record.token_only is TokenOnlyRoute.LIVE
+    if record.error is not None:  # unreachable or unreadable since: the facts are kept, it does not route
+        return Assessment(False, token_only, held_out=record.error)
     if not token_only and not native_allowed:
         reason = f"token-only generate {record.token_only.value}, and token obfuscation forbids its native endpoint"
         return Assessment(False, False, held_out=reason)
@@ -158,7 +162,12 @@ def canary_reference(
     return next(ids for ids in first_seen if votes[ids] == best)
 
 
-def ready_pools(pools: Mapping[str, Iterable[bool]]) -> dict[str, bool]:
-    """Per pool: whether one of its engines routes (the gateway is ready when all do: a
-    gateway that cannot place a request must not take one)."""
-    return {name: any(routes) for name, routes in pools.items()}
+def unready_pools(pools: Mapping[str, Mapping[str, str | None]]) -> dict[str, str]:
+    """The pools none of whose engines routes, each with why, engine by engine (`pools`:
+    pool -> engine -> why it is held out, None when it routes). The gateway is ready when
+    there are none: a gateway that cannot place a request must not take one."""
+    return {
+        pool: "no engine routes (" + "; ".join(f"{address} {why}" for address, why in engines.items()) + ")"
+        for pool, engines in pools.items()
+        if all(why is not None for why in engines.values())
+    }

@@ -13,9 +13,14 @@ Per render endpoint: `/version`, `/v1/models` and the same canary rendered.
 
 Probes run at start-up, every `capabilities.interval_s`, after a breaker's half-open probe
 and after a generate answered "no token-only route"; an endpoint that cannot be reached is
-tried again with backoff, so an engine started later joins without a restart. A failed
-refresh keeps the last good record (marked with its error). The decisions are pure
-(`scheduler/capabilities.py`); this module only fetches, parses and applies them.
+tried again with backoff, so an engine started later joins without a restart. Between
+probes, every engine's `GET /health` every `capabilities.health_interval_s` (and at once
+after a client request failed on it) tells a dead engine from a live one within about a
+second. A failed probe or liveness check takes the engine out of routing at once: its last
+good record stays (what `tito engines` and `/debug/state` show), marked with why (`error`),
+until a probe passes again; a dead engine's first passing liveness check brings that probe
+on at once. The decisions are pure (`scheduler/capabilities.py`); this module only fetches,
+parses and applies them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,8 +52,8 @@ from scheduler.capabilities import (
     RenderCapabilities,
     assess,
     canary_reference,
-    ready_pools,
     token_only_route,
+    unready_pools,
 )
 
 log = logging.getLogger("tito.capabilities")
@@ -115,14 +120,41 @@ def parse_tokenized(body: Any) -> tuple[int, ...] | None:
 # -- probing (I/O) -------------------------------------------------------------------------
 
 
+def failure_reason(exc: Exception) -> str:
+    """Why a probe failed, as records and logs say it: `unreachable` when no answer came."""
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return f"unreachable: {what}" if isinstance(exc, httpx.TransportError) else f"probe failed: {what}"
+
+
 class _Prober:
     def __init__(
-        self, http: httpx.AsyncClient, timeout_s: float, served_name: str, codec: TokenCodec | None = None
+        self,
+        http: httpx.AsyncClient,
+        timeout_s: float,
+        served_name: str,
+        codec: TokenCodec | None = None,
+        health_timeout_s: float = 1.0,
     ) -> None:
         self._http = http
         self._timeout_s = timeout_s
+        self._health_timeout_s = health_timeout_s
         self._served_name = served_name
         self._codec = codec  # token obfuscation: an engine's own tokenizer answers in physical ids
+
+    async def alive(self, address: str) -> str | None:
+        """Why the engine is not alive (None: its server answers `GET /health` with anything
+        but a 5xx; one without the route is up all the same). httpx.PoolTimeout: this
+        process's connections are all taken, which says nothing about the engine."""
+        url = f"http://{address}/health"
+        try:
+            response = await self._http.get(url, headers=PROBE_HEADERS, timeout=self._health_timeout_s)
+        except httpx.PoolTimeout:
+            raise
+        except httpx.HTTPError as exc:
+            return failure_reason(exc)
+        if response.status_code >= 500:
+            return f"unhealthy: GET /health answered {response.status_code}"
+        return None
 
     async def _get(self, url: str) -> httpx.Response:
         return await self._http.get(url, headers=PROBE_HEADERS, timeout=self._timeout_s)
@@ -228,7 +260,10 @@ class Capabilities:
         self._catalog = catalog or ModelCatalog(config.model)
         self._tokenization = tokenization
         self._clock = clock
-        self._prober = _Prober(http, self._settings.timeout_s, config.model.served_name, tokenization.codec)
+        settings = self._settings
+        self._prober = _Prober(
+            http, settings.timeout_s, config.model.served_name, tokenization.codec, settings.health_timeout_s
+        )
         self.engines: dict[str, EngineCapabilities | None] = {i.address: None for i in scheduler.instances}
         self.assessments: dict[str, Assessment] = {}
         pool = tokenization.pool
@@ -236,6 +271,12 @@ class Capabilities:
         self.render_used: dict[str, bool] = {}
         self._reference: tuple[int, ...] | None = None  # the canary ids of the last decision
         self._due: dict[str, _Due] = {name: _Due() for name in [*self.renders, *self.engines]}
+        self._health_due: dict[str, float] = dict.fromkeys(self.engines, 0.0)  # next liveness check
+        # Engines whose last liveness check failed (and no probe passed since): their next
+        # passing check brings on the full probe at once
+        self._down: set[str] = set()
+        self._probing: set[str] = set()  # endpoints whose probe runs now
+        self._checking: set[str] = set()  # engines whose liveness check runs now
         self._wake = asyncio.Event()
         self.rounds = 0
 
@@ -254,17 +295,88 @@ class Capabilities:
         if state in ("closed", "open"):
             self.probe_soon(address)
 
+    def engine_failed(self, address: str) -> None:
+        """A client request's leg failed on this engine (no connection, a reset, an error
+        answer): its liveness check now tells a dead engine (held out at once) from a live
+        one that answered badly (the breaker's business)."""
+        if address in self._health_due:
+            self._health_due[address] = self._clock()
+            self._wake.set()
+
     async def run(self) -> None:
-        while True:
-            now = self._clock()
-            due = [name for name, d in self._due.items() if d.at <= now]
-            if due:
-                await self.refresh(due)
-            wait = min(d.at for d in self._due.values()) - self._clock()
-            self._wake.clear()
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+        """Probes and liveness checks as they fall due, each in a task of its own: a probe
+        waiting out its timeouts on a hung engine holds up no other engine's check."""
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                self._wake.clear()
+                for work in self._start_due():
+                    task = asyncio.create_task(work)
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                wait = self._next_due() - self._clock()
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start_due(self) -> list[Coroutine[Any, Any, None]]:
+        """What falls due now, marked as running before it starts (so it is started once)."""
+        now = self._clock()
+        work = []
+        probes = [name for name, due in self._due.items() if due.at <= now and name not in self._probing]
+        if probes:  # probed together: their decision sees every new record (the canary reference)
+            self._probing.update(probes)
+            work.append(self._probe_round(probes))
+        for address, at in self._health_due.items():
+            if at <= now and address not in self._checking:
+                self._checking.add(address)
+                work.append(self.check(address))
+        return work
+
+    def _next_due(self) -> float:
+        """When the next probe or check falls due (what runs now wakes the loop as it ends)."""
+        pending = [due.at for name, due in self._due.items() if name not in self._probing]
+        pending += [at for address, at in self._health_due.items() if address not in self._checking]
+        return min(pending, default=self._clock() + self._settings.health_interval_s)
+
+    async def _probe_round(self, names: list[str]) -> None:
+        try:
+            await self.refresh(names)
+        finally:
+            self._probing.difference_update(names)
+            self._wake.set()
+
+    async def check(self, address: str) -> None:
+        """One liveness check of this engine, now."""
+        try:
+            self._checked(address, await self._prober.alive(address))
+        except httpx.PoolTimeout:
+            pass  # nothing learned: the next check asks again
+        finally:
+            self._checking.discard(address)
+            self._health_due[address] = self._clock() + self._settings.health_interval_s
+            self._wake.set()
+
+    def _checked(self, address: str, failure: str | None) -> None:
+        """A liveness check's verdict (`failure`: why the engine is not alive). A failed one
+        holds the engine out now and schedules its probe with the backoff; one that keeps
+        failing changes nothing more (nor pushes the probe further out). The first one that
+        passes after that brings the probe on at once, not after its backoff."""
+        if failure is None:
+            if address in self._down:
+                self._down.discard(address)
+                self.probe_soon(address)
+            return
+        if address in self._down:
+            return
+        self._down.add(address)
+        self._failed(address, failure)
+        self._schedule(address, failure)
+        self.decide()
 
     async def refresh(self, names: list[str] | None = None) -> None:
         """Probe these endpoints (default: all) together, then decide."""
@@ -276,7 +388,6 @@ class Capabilities:
     async def _probe(self, name: str) -> None:
         now = self._clock()
         is_render = name in self.renders
-        failure = None
         try:
             if is_render:
                 assert self._tokenization.pool is not None
@@ -285,16 +396,27 @@ class Capabilities:
             else:
                 record = await self._prober.engine(name, now)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the endpoint is probed again later
-            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            old = (self.renders if is_render else self.engines)[name]
-            if old is None or old.error is None:
-                log.warning("capabilities of %s: probe failed (%s); trying again", name, failure)
-            if old is not None:
-                record = replace(old, error=failure)  # the last good record, marked stale
-            else:
-                record = (RenderCapabilities if is_render else EngineCapabilities)(name, probed_at=now, error=failure)
+            failure = failure_reason(exc)
+            old = self.renders.get(name)
+            if is_render and (old is None or old.error is None):  # an engine's verdict says it (`_log`)
+                log.warning("capabilities of render %s: %s; trying again", name, failure)
+            self._failed(name, failure)
+            self._schedule(name, failure)
+            return
         (self.renders if is_render else self.engines)[name] = record
-        self._schedule(name, failure)
+        self._down.discard(name)  # it answered: a check that fails from now on holds it out again
+        self._schedule(name, None)
+
+    def _failed(self, name: str, failure: str) -> None:
+        """The endpoint failed a probe or liveness check: its last good record stays (what it
+        said is still shown), marked with why it is out now."""
+        records: dict[str, Any] = self.renders if name in self.renders else self.engines
+        old = records[name]
+        if old is not None:
+            records[name] = replace(old, error=failure)
+        else:
+            kind = RenderCapabilities if name in self.renders else EngineCapabilities
+            records[name] = kind(name, probed_at=self._clock(), error=failure)
 
     def _schedule(self, name: str, failure: str | None) -> None:
         s, due = self._settings, self._due[name]
@@ -350,7 +472,9 @@ class Capabilities:
         if record is not None and verdict.routes:  # its models and adapters, as it lists them
             self._catalog.listed(address, [dict(card) for card in record.model_cards])
             self._scheduler.lora.set_registered(address, record.lora_adapters)
-        else:
+        elif record is None or record.error is None:
+            # held out for what it serves; one out only for a failure keeps its listing (a
+            # request for one of its adapters gets a 503 while it is down, not a 404)
             self._catalog.forget(address)
             self._scheduler.lora.set_registered(address, ())
         block = adopted.get("block_size")
@@ -363,12 +487,14 @@ class Capabilities:
             self._log(address, verdict)
 
     def _others_use(self, address: str, role: Role, block_size: int | None) -> bool:
-        """Another engine of the role's pool routes and hashes blocks of this size."""
+        """Another engine of the role's pool hashes blocks of this size and routes, or is out
+        only for a failure (an outage does not change the pool's index under it)."""
         for instance in self._scheduler.pools[role].instances:
             record, verdict = self.engines.get(instance.address), self.assessments.get(instance.address)
             if instance.address == address or record is None or verdict is None:
                 continue
-            if verdict.routes and record.block_size == block_size:
+            member = verdict.routes or (record.error is not None and record.complete)
+            if member and record.block_size == block_size:
                 return True
         return False
 
@@ -383,11 +509,22 @@ class Capabilities:
     # -- what operators see
 
     def ready(self) -> bool:
-        pools = {
-            p.name: [self.assessments.get(i.address, Assessment(False, False)).routes for i in p.instances]
-            for p in self._scheduler.pools.values()
-        }
-        return all(ready_pools(pools).values())
+        return not self.unready()
+
+    def unready(self) -> dict[str, str]:
+        """The pools none of whose engines routes, each with why (`/ready` names them)."""
+        return unready_pools(
+            {
+                pool.name: {instance.address: self._held_out(instance.address) for instance in pool.instances}
+                for pool in self._scheduler.pools.values()
+            }
+        )
+
+    def _held_out(self, address: str) -> str | None:
+        verdict = self.assessments.get(address)
+        if verdict is None:
+            return "no capability record: not probed yet"
+        return None if verdict.routes else verdict.held_out
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -51,6 +51,7 @@ class Planner:
         self.catalog = catalog or ModelCatalog(config.model)
         self._clock = clock
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
+        self.on_engine_failed: Callable[[str], None] | None = None  # (instance) it failed a leg
         self.loop_lag_ms: Callable[[], float] = lambda: 0.0  # the processor's recent event-loop lag
         # `lora.on_missing: load`: loads an adapter on an instance (legs/lora.py)
         self.load_adapter: Callable[[str, Adapter], Awaitable[None]] | None = None
@@ -453,13 +454,17 @@ class Planner:
 
     def finish(self, lease_id: str, failed: tuple[str, ...] = (), served_by: str | None = None) -> None:
         """A leg is over: its tokens go back, its engine's verdict to the breakers (whose
-        state changes are reported)."""
+        state changes are reported), and each engine that failed it is reported (capability
+        negotiation checks at once whether it is still alive)."""
         breakers = self.scheduler.breakers
         before = {a: breakers[a].state for a in (*failed, served_by) if a in breakers}
         self.scheduler.finish(lease_id, self._clock(), failed, served_by)
         for address, was in before.items():
             if breakers[address].state is not was and self.on_breaker is not None:
                 self.on_breaker(address, breakers[address].state.value)
+        if self.on_engine_failed is not None:
+            for address in failed:
+                self.on_engine_failed(address)
 
 
 def routed_body(plan: TokenOnly) -> bytes:

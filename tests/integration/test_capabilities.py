@@ -1,8 +1,9 @@
 """Capability negotiation through real Envoy, processor and render, over engine simulators
 that announce what vLLM 0.32 announces: engines without scale-out served natively from their
 first request, config mismatches adopted or held out, a different tokenizer held out, a
-render endpoint whose canary differs not used, an engine that appears later joining, and
-`/ready` waiting for a record."""
+render endpoint whose canary differs not used, an engine that appears later joining,
+`/ready` waiting for a record, and a dead engine leaving routing (and `/ready`) within a
+second or two and coming back as fast."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from openai import OpenAI
 from ext_proc.config import Endpoint
 from ext_proc.legs.capabilities import CANARY_MESSAGES
 from ext_proc.tools.local_stack import LocalStack
-from tests.conftest import RunningStack, SimGateway, gateway_config, start_gateway
+from tests.conftest import RunningStack, SimGateway, gateway_config, start_gateway, start_sim_gateway
 from tests.engine_sim import EngineSim, SimServer
 
 MESSAGES = [{"role": "user", "content": "What can you do?"}]
@@ -199,6 +200,97 @@ def test_an_engine_that_appears_later_joins_and_ready_waits_for_it(stack: Runnin
     finally:
         gateway.stop()
         server.close()
+
+
+def ready(gateway: SimGateway) -> httpx.Response:
+    """The processor's `/ready` (its admin port)."""
+    return httpx.get(f"http://127.0.0.1:{gateway.config.processor.admin_port}/ready", timeout=5, trust_env=False)
+
+
+def chat(gateway: SimGateway) -> httpx.Response:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    return httpx.post(gateway.base_url + "/v1/chat/completions", json=body, timeout=10, trust_env=False)
+
+
+def assert_refused_by_the_gateway(answer: httpx.Response, address: str) -> None:
+    """The processor's own 503, in OpenAI's envelope, naming the engine and why it is out."""
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "no_healthy_instance"
+    assert f"{address}: unreachable: " in error["message"], error
+
+
+def test_a_dead_engine_takes_its_pool_out_of_ready_and_a_restarted_one_puts_it_back(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    """Issue 41: the pool's only engine dies, no traffic. Its liveness check (every second)
+    holds it out: `/ready` is 503 within 2 s and names the pool and why, the record keeps
+    its facts, and a request gets the gateway's 503 at once. Restarted, it routes again
+    within 2 s of its probe, which its first passing check brings on: by its backoff
+    (retry_min_s 4 s, then 8 s) the next probe was more than 5 s away."""
+    capabilities = {"retry_min_s": 4, "retry_max_s": 30}
+    gateway, servers = start_sim_gateway(stack, tmp_path, 1, capabilities=capabilities)
+    sim, server = gateway.sims[0], servers[0]
+    try:
+        assert chat(gateway).status_code == 200 and ready(gateway).status_code == 200
+        gateway.reset()
+        server.stop()
+        stopped = time.monotonic()
+        wait_for(lambda: ready(gateway).status_code == 503, 2)
+        answer = ready(gateway).json()
+        assert answer["capabilities"] is False
+        reason = f"pool union: no engine routes ({sim.address} unreachable: "
+        assert [r for r in answer["reasons"] if r.startswith(reason)], answer
+        record = engines(gateway)[sim.address]
+        assert not record["routes"] and record["held_out"].startswith("unreachable: ")
+        assert (record["complete"], record["served_models"], record["token_only"]) == (True, ["tiny"], "live")
+        assert gateway.metrics()[("tito_instance_routes", frozenset({("instance", sim.address)}))] == 0
+
+        started = time.monotonic()
+        assert_refused_by_the_gateway(chat(gateway), sim.address)
+        assert time.monotonic() - started < 2 and not sim.generate_requests()
+
+        # down past its first probe (4 s after the failed check), well before the next (8 s later)
+        time.sleep(max(0.0, stopped + 6.5 - time.monotonic()))
+        probes = len(sim.probes)
+        server.restart()
+        restarted = time.monotonic()
+        wait_for(lambda: "/v1/models" in sim.probes[probes:], 1.5)  # its first passing check's probe
+        probed = time.monotonic()
+        wait_for(lambda: ready(gateway).status_code == 200, 2)
+        assert time.monotonic() - probed < 2 and time.monotonic() - restarted < 3.5
+        assert engines(gateway)[sim.address]["routes"]
+        assert chat(gateway).status_code == 200
+        log = gateway.gateway.processes["processor"].log_path.read_text()
+        out = log.index(f"engine {sim.address} held out: unreachable: ")
+        assert log.index(f"engine {sim.address} routes, token-only", out) > out
+        gateway.assert_no_leaks()
+    finally:
+        gateway.gateway.stop()
+        for server in servers:
+            server.close()
+
+
+def test_a_request_that_finds_its_engine_dead_takes_it_out_at_once(stack: RunningStack, tmp_path: Path) -> None:
+    """Liveness checks a minute apart: the request that failed to connect brings its
+    engine's check on, so the next request and `/ready` know at once."""
+    capabilities = {"health_interval_s": 60, **FAST_RETRY}
+    gateway, servers = start_sim_gateway(stack, tmp_path, 1, capabilities=capabilities)
+    sim, server = gateway.sims[0], servers[0]
+    try:
+        assert chat(gateway).status_code == 200
+        server.stop()
+        first = chat(gateway)  # Envoy could not connect: its own 503, in OpenAI's envelope
+        assert first.status_code == 503 and "error" in first.json()
+        wait_for(lambda: ready(gateway).status_code == 503, 1)
+        assert_refused_by_the_gateway(chat(gateway), sim.address)
+        server.restart()  # probed again with the backoff (FAST_RETRY: within a second)
+        wait_for(lambda: ready(gateway).status_code == 200, 3)
+        assert chat(gateway).status_code == 200
+    finally:
+        gateway.gateway.stop()
+        for server in servers:
+            server.close()
 
 
 def _get(url: str) -> Any:

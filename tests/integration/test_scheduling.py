@@ -182,7 +182,9 @@ def test_refused_instance_is_retried_then_broken_then_probed(gateways: Gateways)
     # The cool-down outlasts the three requests that must find the breaker open, however
     # slow the machine (each takes well under a second); the probe loop waits it out.
     breaker = {"failure_threshold": 2, "base_cooldown_s": 5.0, "max_cooldown_s": 10.0}
-    gateway, servers = gateways.start(2, scheduler={"policy": "round_robin", "breaker": breaker})
+    # (capability negotiation off: its liveness check would take the dead engine out first)
+    scheduler = {"policy": "round_robin", "breaker": breaker}
+    gateway, servers = gateways.start(2, scheduler=scheduler, capabilities={"enable": False})
     dead = gateway.sims[0]
     servers[0].stop()  # refuses connections from now on
     url = gateway.base_url + "/v1/chat/completions"

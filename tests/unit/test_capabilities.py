@@ -1,7 +1,13 @@
 """Capability records: what vLLM 0.32's answers parse into (golden bodies captured from a CPU
-engine and render server) and what a record decides (routes, token-only, adopt, hold out)."""
+engine and render server), what a record decides (routes, token-only, adopt, hold out), and
+how a dead engine leaves routing and comes back (liveness checks, failed requests)."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -15,6 +21,7 @@ from ext_proc.legs.capabilities import (
     parse_models,
     parse_tokenized,
 )
+from ext_proc.planning.planner import Planner
 from ext_proc.server import build_scheduler
 from scheduler import KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest
 from scheduler.capabilities import (
@@ -23,8 +30,8 @@ from scheduler.capabilities import (
     TokenOnlyRoute,
     assess,
     canary_reference,
-    ready_pools,
     token_only_route,
+    unready_pools,
 )
 
 # `GET /v1/models` of `vllm serve` 0.32 (permission list cut), plus one LoRA adapter entry
@@ -149,6 +156,11 @@ def test_no_record_or_another_model_does_not_route() -> None:
     assert not assess(record(served_models=("other",)), EXPECTED, "adopt", None).routes
 
 
+def test_a_good_record_whose_engine_failed_since_does_not_route() -> None:
+    verdict = assess(record(error="unreachable: ConnectError: refused"), EXPECTED, "adopt", (1, 2, 3))
+    assert (verdict.routes, verdict.token_only, verdict.held_out) == (False, True, "unreachable: ConnectError: refused")
+
+
 def test_the_canary_reference_is_what_most_endpoints_agree_on_ties_to_render() -> None:
     render = {"http://render:8100": (1, 2, 3)}
     assert canary_reference(render, [(9, 9), None]) == (1, 2, 3)  # one against one: render's
@@ -156,9 +168,12 @@ def test_the_canary_reference_is_what_most_endpoints_agree_on_ties_to_render() -
     assert canary_reference({"in_process": None}, [None]) is None
 
 
-def test_ready_when_every_pool_has_an_engine_that_routes() -> None:
-    assert ready_pools({"prefill": [False, True], "decode": [True]}) == {"prefill": True, "decode": True}
-    assert ready_pools({"union": [False, False]}) == {"union": False}
+def test_ready_when_every_pool_has_an_engine_that_routes_else_each_pool_says_why() -> None:
+    assert unready_pools({"prefill": {"a:1": "tokenizer mismatch", "b:2": None}, "decode": {"c:3": None}}) == {}
+    pools = {"union": {"a:1": "unreachable: ConnectError", "b:2": "no capability record: not probed yet"}}
+    assert unready_pools(pools) == {
+        "union": "no engine routes (a:1 unreachable: ConnectError; b:2 no capability record: not probed yet)"
+    }
 
 
 def test_a_gated_scheduler_routes_only_what_its_records_let_route() -> None:
@@ -184,13 +199,21 @@ class _Engines:
 
     def __init__(self) -> None:
         self.down: set[str] = set()
+        self.hung: set[str] = set()  # answer nothing in time
+        self.health_status = 200
         self.block_size = 128
+        self.health_checks = 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         host = f"{request.url.host}:{request.url.port}"
         if host in self.down:
             raise httpx.ConnectError("refused", request=request)
+        if host in self.hung:
+            raise httpx.ReadTimeout("timed out", request=request)
         path = request.url.path
+        if path == "/health":
+            self.health_checks += 1
+            return httpx.Response(self.health_status)
         if path == "/v1/models":
             return httpx.Response(200, json=MODELS)
         if path == "/inference/v1/generate":
@@ -218,18 +241,146 @@ async def test_a_failed_refresh_keeps_the_last_record_and_backs_off() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
         capabilities = Capabilities(config, scheduler, tokenization, http, clock=lambda: now[0])
         await capabilities.refresh()
-        assert scheduler.held_out == {"127.0.0.1:2": "no capability record: ConnectError: refused"}
+        assert scheduler.held_out == {"127.0.0.1:2": "no capability record: unreachable: ConnectError: refused"}
         assert capabilities.ready()  # one engine of the pool routes
         assert [capabilities._due[a].at - now[0] for a in ("127.0.0.1:1", "127.0.0.1:2")] == [30, 0.5]
         for expected in (1.0, 2.0, 2.0):  # doubling up to retry_max_s
             await capabilities.refresh(["127.0.0.1:2"])
             assert capabilities._due["127.0.0.1:2"].at - now[0] == expected
-        engines.down = {"127.0.0.1:1"}  # the first goes away, the second comes up: it joins
+        engines.down = {"127.0.0.1:1"}  # the first goes away (held out), the second comes up: it joins
         engines.block_size = 16
         await capabilities.refresh()
-        assert scheduler.held_out == {}
+        assert scheduler.held_out == {"127.0.0.1:1": "unreachable: ConnectError: refused"}
         stale = capabilities.engines["127.0.0.1:1"]
         assert stale is not None and stale.complete and stale.block_size == 128 and "refused" in str(stale.error)
-        # the pool's configured 128 is still what the first engine hashes: the second's
-        # events are not used for the index, and the pool keeps its size
+        # the pool's configured 128 is still what the first engine hashes (out only while it
+        # is down): the second's events are not used for the index, and the pool keeps its size
         assert scheduler.block_size(Role.UNION) == 128 and scheduler.events_ignored == {"127.0.0.1:2"}
+
+
+ONE = "127.0.0.1:1"
+
+
+def one_engine(**capabilities: object) -> TitoConfig:
+    return TitoConfig.model_validate(
+        {
+            "render_config": {"enable": False},
+            "pools": [{"instances": [{"port": 1}]}],
+            "capabilities": {"retry_min_s": 0.5, "retry_max_s": 30, "interval_s": 30, **capabilities},
+            "scheduler": {"prefix_source": "routing"},
+        }
+    )
+
+
+async def test_a_dead_engine_leaves_routing_at_its_first_failed_check_and_comes_back_at_its_first_passing_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config, engines, now = one_engine(), _Engines(), [100.0]
+    scheduler = build_scheduler(config, gated=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        capabilities = Capabilities(
+            config, scheduler, TokenizationService(None, LocalTokenizer(None)), http, lambda: now[0]
+        )
+        await capabilities.refresh()
+        assert capabilities.ready() and capabilities._due[ONE].at == 130
+
+        engines.down.add(ONE)
+        caplog.set_level(logging.INFO, "tito.capabilities")
+        await capabilities.check(ONE)
+        why = "unreachable: ConnectError: refused"
+        assert scheduler.held_out == {ONE: why}
+        assert capabilities.unready() == {"union": f"no engine routes ({ONE} {why})"} and not capabilities.ready()
+        shown = capabilities.describe_engine(ONE)  # the last good record's facts, and why it is out
+        assert (shown["routes"], shown["held_out"], shown["error"]) == (False, why, why)
+        assert (shown["version"], shown["served_models"], shown["block_size"]) == ("0.32.0", ["tiny"], 128)
+        assert f"engine {ONE} held out: {why}" in caplog.text
+        assert capabilities._due[ONE].at == now[0] + 0.5  # its probe, with the backoff
+        now[0] += 0.4
+        await capabilities.check(ONE)  # still down: the probe is not pushed further out
+        assert capabilities._due[ONE].at == 100.5
+        for backoff in (1, 2, 4, 8):  # probes that fail back off as before
+            await capabilities.refresh([ONE])
+            assert capabilities._due[ONE].at == now[0] + backoff and scheduler.held_out == {ONE: why}
+
+        engines.down.clear()  # restarted: its first passing check brings the probe on at once
+        await capabilities.check(ONE)
+        assert capabilities._due[ONE].at == now[0] and not capabilities.ready()
+        await capabilities.refresh([ONE])
+        assert capabilities.ready() and scheduler.held_out == {} and capabilities.describe_engine(ONE)["error"] is None
+        assert f"engine {ONE} routes, token-only" in caplog.text.split("held out")[-1]
+        await capabilities.check(ONE)  # alive and routing: nothing to do
+        assert capabilities._due[ONE].at == now[0] + 30
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        ("hung", "unreachable: ReadTimeout: timed out"),
+        (503, "unhealthy: GET /health answered 503"),
+        (404, None),  # a server without the route is up all the same
+    ],
+)
+async def test_what_a_liveness_check_counts_as_dead(fault: str | int, why: str | None) -> None:
+    config, engines = one_engine(), _Engines()
+    scheduler = build_scheduler(config, gated=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        capabilities = Capabilities(config, scheduler, TokenizationService(None, LocalTokenizer(None)), http)
+        await capabilities.refresh()
+        if fault == "hung":
+            engines.hung.add(ONE)
+        else:
+            engines.health_status = int(fault)
+        await capabilities.check(ONE)
+        assert scheduler.held_out == ({ONE: why} if why else {})
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 2.0) -> float:
+    """Seconds until `check` held (AssertionError after `timeout`)."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, "timed out"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+async def test_the_background_task_notices_a_dead_engine_and_a_restarted_one_within_a_check() -> None:
+    """Real time, short intervals: dead within a liveness interval, back within one of its
+    restart though its probe had backed off far longer; a hung probe holds up no check."""
+    config, engines = one_engine(health_interval_s=0.1, retry_min_s=2, retry_max_s=60), _Engines()
+    scheduler = build_scheduler(config, gated=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        capabilities = Capabilities(config, scheduler, TokenizationService(None, LocalTokenizer(None)), http)
+        task = asyncio.create_task(capabilities.run())
+        try:
+            await wait_until(capabilities.ready)
+            engines.down.add(ONE)
+            assert await wait_until(lambda: not capabilities.ready()) < 0.5
+            await asyncio.sleep(0.3)  # checks keep failing; the probe waits out its backoff (2 s)
+            checks = engines.health_checks
+            engines.down.clear()
+            assert await wait_until(capabilities.ready) < 0.5
+            assert engines.health_checks > checks
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_request_that_failed_on_an_engine_brings_its_check_on_at_once() -> None:
+    config, engines = one_engine(health_interval_s=60), _Engines()
+    scheduler = build_scheduler(config, gated=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        capabilities = Capabilities(config, scheduler, TokenizationService(None, LocalTokenizer(None)), http)
+        planner = Planner(config, None, scheduler)  # type: ignore[arg-type]
+        planner.on_engine_failed = capabilities.engine_failed  # as the processor wires it
+        task = asyncio.create_task(capabilities.run())
+        try:
+            await wait_until(capabilities.ready)
+            engines.down.add(ONE)
+            await asyncio.sleep(0.2)
+            assert capabilities.ready()  # the next check is a minute away
+            planner.finish("some-lease", failed=(ONE,))  # e.g. Envoy could not connect
+            assert await wait_until(lambda: not capabilities.ready()) < 0.5
+            assert scheduler.held_out == {ONE: "unreachable: ConnectError: refused"}
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
