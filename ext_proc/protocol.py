@@ -111,6 +111,11 @@ class OpenAIRequest:
     adapter: Adapter | None = None
     family: ApiFamily = ApiFamily.OPENAI  # the client's API (MESSAGES: `body` is its chat request)
     conversion: Conversion | None = None  # the client's answer from the inner one (not OPENAI)
+    # The client's own request, where engines serve its API themselves (Responses): a native
+    # leg sends it as it came and the engine's answer is the client's (its usage counts the
+    # prefix-cache hits native Responses reports, which completions only report with
+    # --enable-prompt-tokens-details). None: a native leg sends this (inner) request.
+    native: OpenAIRequest | None = None
 
     @property
     def model(self) -> str | None:
@@ -149,7 +154,11 @@ class OpenAIRequest:
         return self.adapter.name if self.adapter is not None else served_name
 
     def kept(self) -> OpenAIRequest:
-        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family, self.conversion)
+        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family, self.conversion, self.native)
+
+    def on_native_route(self) -> OpenAIRequest:
+        """What an engine's own endpoint gets on the native path."""
+        return self.native or self
 
 
 @dataclass

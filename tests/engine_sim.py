@@ -466,6 +466,40 @@ class EngineSim:
             )
         yield b"data: [DONE]\n\n"
 
+    async def native_responses(self, request: Request) -> Response:
+        """The engine's own OpenAI Responses endpoint: a fixed short answer, whole or as
+        native's events (created, then completed)."""
+        body = json.loads(await self._record(request))
+        rid = body.get("request_id") or "resp_" + uuid.uuid4().hex
+        message = {"type": "output_text", "text": NATIVE_TEXT, "annotations": [], "logprobs": None}
+        usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2, "input_tokens_details": {"cached_tokens": 0}}
+        response = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": self.model,
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_" + rid,
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [message],
+                }
+            ],
+            "usage": usage,
+        }
+        if not body.get("stream"):
+            return JSONResponse(response)
+
+        async def events() -> AsyncIterator[bytes]:
+            created = {**response, "status": "in_progress", "output": [], "usage": None}
+            for n, (kind, answer) in enumerate([("response.created", created), ("response.completed", response)]):
+                yield f"event: {kind}\n".encode() + _sse({"type": kind, "sequence_number": n, "response": answer})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def models(self, request: Request) -> Response:
         await self._record(request)
         fault = None if _is_probe(request) else self._take_fault()
@@ -584,6 +618,7 @@ class EngineSim:
                 Route("/inference/v1/generate", self.generate, methods=["POST"]),
                 Route("/v1/chat/completions", self.native, methods=["POST"]),
                 Route("/v1/completions", self.native, methods=["POST"]),
+                Route("/v1/responses", self.native_responses, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/version", self.version_info, methods=["GET"]),

@@ -125,7 +125,10 @@ class ResponsesServing:
             body.update(stream=True, stream_options={"include_usage": True})
         model_name = tokenized.request.response_model(self.model.served_name)
         answer = ResponsesAnswer(self, client, prompt.token_ids, params, model_name)
-        request = OpenAIRequest(ApiKind.COMPLETIONS, body, tokenized.request.adapter, ApiFamily.RESPONSES, answer)
+        client_request = tokenized.request.kept()  # what an engine's own /v1/responses gets (native leg)
+        request = OpenAIRequest(
+            ApiKind.COMPLETIONS, body, tokenized.request.adapter, ApiFamily.RESPONSES, answer, client_request
+        )
         return replace(tokenized, request=request)
 
 

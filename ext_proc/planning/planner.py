@@ -197,7 +197,9 @@ class Planner:
             if self._config.obfuscation.enable:  # fail closed: a native endpoint gets plaintext
                 self.finish(decision.request_id)
                 raise token_only_required(decision.instance.address)
-            return Native(tokenized.request, native_body(tokenized.request, raw), decision.request_id, decision.hosts)
+            request = tokenized.request.on_native_route()
+            body = native_body(request, raw) if request is tokenized.request else orjson.dumps(request.engine_body())
+            return Native(request, body, decision.request_id, decision.hosts)
         prompt = tokenized.prompts[0]
         leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
         return TokenOnly(_kept(tokenized), (leg,))

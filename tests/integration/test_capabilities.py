@@ -86,7 +86,7 @@ def test_an_engine_without_scale_out_is_served_natively_from_its_first_request(
             else:
                 text = api.completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=n > 3)
                 assert list(text) if n > 3 else text.choices[0].text  # type: ignore[arg-type,union-attr]
-        # Messages and Responses are chat and completions inside: the plain engine gets those
+        # Messages are chat inside, which the plain engine gets; Responses go to its own route
         for n in range(4):
             messages = {"model": "tiny", "max_tokens": 4, "messages": MESSAGES, "stream": n > 1}
             answer = httpx.post(gateway.base_url + "/v1/messages", json=messages, timeout=30, trust_env=False)
@@ -95,7 +95,7 @@ def test_an_engine_without_scale_out_is_served_natively_from_its_first_request(
             answer = httpx.post(gateway.base_url + "/v1/responses", json=responses, timeout=30, trust_env=False)
             assert answer.status_code == 200 and (n > 1 or answer.json()["object"] == "response"), answer.text
             assert n < 2 or answer.text.rstrip().endswith("}") and "response.completed" in answer.text
-        assert paths(plain) == {"/v1/chat/completions", "/v1/completions"}  # never a 403 to absorb
+        assert paths(plain) == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}  # never a 403
         assert paths(tokens) == {"/inference/v1/generate"}
         state = gateway.assert_no_leaks()
         assert state["native_replays"] == 0
