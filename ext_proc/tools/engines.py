@@ -83,11 +83,3 @@ def run(args: argparse.Namespace) -> int:
         ready = ready and capabilities.ready()
     return 0 if ready else 1
 
-
-def main(argv: list[str] | None = None) -> int:
-    from ext_proc.cli import add_global_options  # the very --config (and --log-level) of `tito engines`
-
-    parser = argparse.ArgumentParser(prog="tito engines", description=__doc__.splitlines()[0])
-    add_global_options(parser)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
