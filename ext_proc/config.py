@@ -380,7 +380,7 @@ class ObfuscationConfig(_Strict):
 
 class CapabilitiesConfig(_Strict):
     """Capability negotiation (RFC 能力协商): before a client request pays for it, the gateway
-    learns what every engine and render endpoint serves (`ext_proc/legs/capabilities.py`):
+    learns what every engine and render endpoint serves (`ext_proc/fleet/capabilities.py`):
     version, models, max_model_len, LoRA adapters, KV block size and hash, KV event sources,
     whether token-only generate is live (an engine without it is served natively from its
     first request), and whether its tokenizer agrees with render's (a canary chat rendered

@@ -20,15 +20,15 @@ from ext_proc.derender.responses import ResponsesServing
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
+from ext_proc.fleet.capabilities import Capabilities
+from ext_proc.fleet.engine_metrics import engine_metrics_pollers
+from ext_proc.fleet.http_client import CountingTransport, http_client
+from ext_proc.fleet.kv_events import KvEventSubscriber
+from ext_proc.fleet.lora import AdapterLoader
 from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.render_pool import RenderPool, pool_member
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
-from ext_proc.legs.capabilities import Capabilities
-from ext_proc.legs.engine_metrics import engine_metrics_pollers
-from ext_proc.legs.http_client import CountingTransport, http_client
-from ext_proc.legs.kv_events import KvEventSubscriber
-from ext_proc.legs.lora import AdapterLoader
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import build_codec

@@ -19,15 +19,14 @@ from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
 from ext_proc.derender.responses import ResponsesServing
 from ext_proc.errors import GatewayError
+from ext_proc.fleet.capabilities import Capabilities
+from ext_proc.fleet.http_client import CountingTransport
 from ext_proc.frontend.anthropic_messages import MESSAGES, MessagesFrontend, anthropic_error, family_of
 from ext_proc.frontend.model_catalog import models_body, not_found
 from ext_proc.frontend.openai_api import parse_body
 from ext_proc.frontend.openai_responses import responses_request
 from ext_proc.frontend.tokenization import TokenizationService
-from ext_proc.legs.capabilities import Capabilities
-from ext_proc.legs.http_client import CountingTransport
 from ext_proc.legs.prefill import prefilled
-from ext_proc.legs.responses import Outs, error_answer, replay_native
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import TokenCodec
@@ -35,6 +34,7 @@ from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner, token_only_required
 from ext_proc.protocol import ApiFamily, ApiKind
+from ext_proc.response_handlers import Outs, error_answer, replay_native
 from scheduler import Scheduler
 
 

@@ -1,6 +1,6 @@
 """Capability records: what each engine and render endpoint serves, and what that decides.
 
-Pure (no I/O): `ext_proc/legs/capabilities.py` probes the endpoints and hands the records
+Pure (no I/O): `ext_proc/fleet/capabilities.py` probes the endpoints and hands the records
 here. A record is complete when the endpoint answered its model list and (engines) the
 token-only probe; until then an engine does not route, nor while its last probe or liveness
 check failed (`error`). `assess` compares a record with the config and with the tokenizer the

@@ -646,7 +646,7 @@ class EngineSim:
 
 
 def _is_probe(request: Request) -> bool:
-    return request.headers.get("user-agent") == "tito-capabilities"  # ext_proc/legs/capabilities.py
+    return request.headers.get("user-agent") == "tito-capabilities"  # ext_proc/fleet/capabilities.py
 
 
 def _logprobs(tokens: list[int], top_k: int | None, start: int = 0) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """One Envoy HTTP stream: the ext_proc protocol adapter. The request-headers reply is held
 until the body has ended; the planner's `Plan` then becomes messages (a Handoff's prefill
-leg runs first), and a response handler (`legs/responses.py`) turns the engine's response
+leg runs first), and a response handler (`response_handlers.py`) turns the engine's response
 into the client's. The stream's tasks and outbox: `stream.py`."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.legs.responses import Chunk, ConvertedResponse, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
+from ext_proc.response_handlers import Chunk, ConvertedResponse, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
 

@@ -53,7 +53,7 @@ class Planner:
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
         self.on_engine_failed: Callable[[str], None] | None = None  # (instance) it failed a leg
         self.loop_lag_ms: Callable[[], float] = lambda: 0.0  # the processor's recent event-loop lag
-        # `lora.on_missing: load`: loads an adapter on an instance (legs/lora.py)
+        # `lora.on_missing: load`: loads an adapter on an instance (fleet/lora.py)
         self.load_adapter: Callable[[str, Adapter], Awaitable[None]] | None = None
         decode = config.pool("decode")
         self.kv_params_required = decode is not None and decode.kv_connector == "nixl"

@@ -1,6 +1,6 @@
 """`tito engines --config FILE`: what every engine and render endpoint of a config serves
 (of every base model),
-probed now the way a processor probes them at start-up (`ext_proc/legs/capabilities.py`),
+probed now the way a processor probes them at start-up (`ext_proc/fleet/capabilities.py`),
 one line each: what it serves, what differs from the config, whether it routes and how.
 
 Exit status 0 when every pool has an engine that routes (the processor would be ready), else 1.
@@ -14,9 +14,9 @@ import logging
 from typing import Any
 
 from ext_proc.config import TitoConfig, load_config
+from ext_proc.fleet.capabilities import Capabilities
+from ext_proc.fleet.http_client import http_client
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
-from ext_proc.legs.capabilities import Capabilities
-from ext_proc.legs.http_client import http_client
 from ext_proc.server import build_render_pool, build_scheduler
 
 

@@ -17,7 +17,7 @@ import httpx
 from openai import OpenAI
 
 from ext_proc.config import Endpoint
-from ext_proc.legs.capabilities import CANARY_MESSAGES
+from ext_proc.fleet.capabilities import CANARY_MESSAGES
 from ext_proc.tools.local_stack import LocalStack
 from tests.conftest import RunningStack, SimGateway, gateway_config, start_gateway, start_sim_gateway
 from tests.engine_sim import EngineSim, SimServer

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ext_proc.legs.engine_metrics import CACHE_INFO, KV_USAGE, RUNNING, WAITING, parse_engine_metrics
+from ext_proc.fleet.engine_metrics import CACHE_INFO, KV_USAGE, RUNNING, WAITING, parse_engine_metrics
 from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway, scrape
 
 INTERVAL_S = 0.2

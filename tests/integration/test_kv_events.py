@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ext_proc.config import KvEventsEndpoint
-from ext_proc.legs.kv_events import KvEventSubscriber
+from ext_proc.fleet.kv_events import KvEventSubscriber
 from scheduler import BlockHasher, KvCacheAffinity, Pool, Role, Scheduler
 from tests.conftest import RunningStack, SimGateway, free_port, start_sim_gateway
 from tests.engine_sim import vllm_block_stored

@@ -190,7 +190,7 @@ class _Inner:
 
     def interrupted(self, error: GatewayError) -> Any:
         from ext_proc.derender.streaming import DONE_EVENT, sse_event
-        from ext_proc.legs.responses import Chunk
+        from ext_proc.response_handlers import Chunk
 
         self.done = True
         return Chunk(sse_event(error.body) + DONE_EVENT, True)
@@ -205,7 +205,7 @@ async def _outs(handler: Any, trailers: bool = False) -> list[Any]:
 
 def test_the_messages_response_converts_streams_whole_answers_and_errors() -> None:
     from ext_proc.frontend.anthropic_messages import MESSAGES
-    from ext_proc.legs.responses import Chunk, ConvertedResponse, Head
+    from ext_proc.response_handlers import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(1)))
     streamed = asyncio.run(
@@ -305,7 +305,7 @@ def test_an_answer_left_mid_stream_is_closed_not_left_for_asyncio_to_fail_on(clo
     import gc
 
     from ext_proc.frontend.anthropic_messages import MESSAGES
-    from ext_proc.legs.responses import Chunk, ConvertedResponse, Head
+    from ext_proc.response_handlers import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(2))[:3])
     failures: list[Any] = []

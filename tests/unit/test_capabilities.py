@@ -13,14 +13,14 @@ import httpx
 import pytest
 
 from ext_proc.config import TitoConfig
-from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
-from ext_proc.legs.capabilities import (
+from ext_proc.fleet.capabilities import (
     Capabilities,
     parse_cache_config,
     parse_kv_event_sources,
     parse_models,
     parse_tokenized,
 )
+from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.planning.planner import Planner
 from ext_proc.server import build_scheduler
 from scheduler import KvCacheAffinity, Pool, Role, Scheduler, ScheduleRequest

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from ext_proc.config import SchedulerConfig, TitoConfig
-from ext_proc.legs.engine_metrics import (
+from ext_proc.fleet.engine_metrics import (
     EngineMetricsPoller,
     MetricsUnreadable,
     engine_metrics_pollers,

@@ -16,8 +16,8 @@ import pytest
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import PublicRoute, TitoConfig
 from ext_proc.envoy_protocol.exchange import Exchange
-from ext_proc.legs.http_client import CountingTransport
-from ext_proc.legs.lora import AdapterLoader
+from ext_proc.fleet.http_client import CountingTransport
+from ext_proc.fleet.lora import AdapterLoader
 from ext_proc.legs.trigger import Triggers
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest

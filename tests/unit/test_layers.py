@@ -1,6 +1,7 @@
 """ext_proc's layout is its architecture: a module imports only from its own layer or below.
 
-Top to bottom: tools and the CLI → server/admin → envoy_protocol → services → legs → planning →
+Top to bottom: tools and the CLI → server/admin → envoy_protocol → services → legs and the
+response handlers → fleet (what is learned about engines in the background) → planning →
 derender → frontend → the shared bottom (config, errors, protocol, ...). `scheduler/` is
 pure: it imports nothing of ext_proc and no I/O or asyncio."""
 
@@ -26,7 +27,8 @@ LAYERS = [
     {"ext_proc.frontend"},
     {"ext_proc.derender"},
     {"ext_proc.planning"},
-    {"ext_proc.legs"},
+    {"ext_proc.fleet"},
+    {"ext_proc.legs", "ext_proc.response_handlers"},
     {"ext_proc.services"},
     {"ext_proc.envoy_protocol"},
     {"ext_proc.server", "ext_proc.admin", "ext_proc.workers"},

@@ -38,10 +38,10 @@ import orjson
 
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.errors import GatewayError
+from ext_proc.fleet.engine_metrics import CACHE_INFO, sample_labels
 from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, rendered
 from ext_proc.frontend.tokenization import TokenizationService
-from ext_proc.legs.engine_metrics import CACHE_INFO, sample_labels
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.protocol import GENERATE_PATH, ApiKind, OpenAIRequest
 from scheduler import Role, Scheduler
