@@ -82,4 +82,3 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         ready = ready and capabilities.ready()
     return 0 if ready else 1
-
