@@ -272,7 +272,7 @@ COMMANDS: dict[str, Command] = {
         "what every engine and render endpoint serves, and whether it routes", _tool("ext_proc.tools.engines")
     ),
     "conformance": Command(
-        "gateway vs native OpenAI answers, field by field, one line per case", _tool("ext_proc.tools.conformance")
+        "gateway vs native OpenAI answers, field by field, one line per case", _tool("ext_proc.tools.conformance.cli")
     ),
     "bench": Command(
         "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios", _tool("ext_proc.tools.bench")

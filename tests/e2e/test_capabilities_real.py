@@ -16,7 +16,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from ext_proc.tools.conformance import CASES, new_client, run_case
+from ext_proc.tools.conformance.core import new_client
+from ext_proc.tools.conformance.openai import run_case
+from ext_proc.tools.conformance.openai_cases import CASES
 from tests.conftest import RunningStack, free_port, gateway_config, scrape, tito_up
 
 NATIVE_ROUTES = ("/v1/chat/completions", "/v1/completions")

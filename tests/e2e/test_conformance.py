@@ -1,5 +1,5 @@
 """The product promise, case by case: for the same engine, seed and request, the gateway's
-OpenAI answer equals the engine's native one (ext_proc/tools/conformance.py), for each derender
+OpenAI answer equals the engine's native one (ext_proc/tools/conformance/), for each derender
 mode. The first tests check the checker itself on made-up answers, so a difference in the
 real runs cannot go unnoticed because the comparison is blind to it."""
 
@@ -14,22 +14,13 @@ import httpx
 import pytest
 
 from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS, IDS_NEED_IN_PROCESS
-from ext_proc.tools import messages_conformance, responses_conformance
-from ext_proc.tools.conformance import (
-    CASES,
-    SPECS,
-    Answer,
-    Case,
-    differences,
-    fetch,
-    new_client,
-    normalize_error,
-    normalize_full,
-    normalize_stream,
-    run_case,
-)
-from ext_proc.tools.messages_conformance import MessagesCase
-from ext_proc.tools.responses_conformance import ResponsesCase
+from ext_proc.tools.conformance import messages as messages_conformance
+from ext_proc.tools.conformance import responses as responses_conformance
+from ext_proc.tools.conformance.core import Answer, differences, new_client
+from ext_proc.tools.conformance.messages import MessagesCase
+from ext_proc.tools.conformance.openai import fetch, normalize_error, normalize_full, normalize_stream, run_case
+from ext_proc.tools.conformance.openai_cases import CASES, SPECS, Case
+from ext_proc.tools.conformance.responses import ResponsesCase
 from tests.conftest import RealGateway, RunningStack, start_real_gateway
 
 MODES = ("in_process", "sidecar")

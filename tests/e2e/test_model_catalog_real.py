@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from ext_proc.config import Endpoint
-from ext_proc.tools.conformance import CASES, MAX_REPORTED, Case, fetch, native_then_gateway, new_client
+from ext_proc.tools.conformance.core import MAX_REPORTED, native_then_gateway, new_client
+from ext_proc.tools.conformance.openai import fetch
+from ext_proc.tools.conformance.openai_cases import CASES, Case
 from tests.conftest import RunningStack, free_port, gateway_config, tito_up
 
 ADAPTER = "tiny-lora"

@@ -23,7 +23,9 @@ import pytest
 
 from ext_proc.config import Endpoint
 from ext_proc.obfuscation import build_codec
-from ext_proc.tools.conformance import MAX_REPORTED, SPECS, Answer, Case, compared, fetch, new_client, unexercised
+from ext_proc.tools.conformance.core import MAX_REPORTED, Answer, compared, new_client, unexercised
+from ext_proc.tools.conformance.openai import fetch
+from ext_proc.tools.conformance.openai_cases import SPECS, Case
 from tests.conftest import RunningStack, free_port, gateway_config, start_real_gateway, tito_up
 
 SECRET = "correct horse battery staple q7zx"

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from ext_proc.tools.conformance import CASES, Case, run_case
+from ext_proc.tools.conformance.openai import run_case
+from ext_proc.tools.conformance.openai_cases import CASES, Case
 from tests.conftest import RunningStack, free_port, gateway_config, tito_up
 from tests.e2e.engine_kill import client, cut_mid_answer, relayed
 

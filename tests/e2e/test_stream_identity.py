@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from ext_proc.tools.conformance import normalize_stream
+from ext_proc.tools.conformance.openai import normalize_stream
 from tests.conftest import RunningStack
 
 STREAMS = 128

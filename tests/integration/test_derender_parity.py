@@ -15,7 +15,9 @@ import orjson
 import pytest
 
 from ext_proc.config import Endpoint
-from ext_proc.tools.conformance import Answer, Api, differences, normalize_full, normalize_stream
+from ext_proc.tools.conformance.core import Answer, differences
+from ext_proc.tools.conformance.openai import normalize_full, normalize_stream
+from ext_proc.tools.conformance.openai_cases import Api
 from ext_proc.tools.local_stack import LocalStack
 from tests.conftest import RunningStack, start_gateway
 from tests.engine_sim import EngineSim, SimServer

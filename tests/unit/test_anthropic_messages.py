@@ -249,7 +249,7 @@ def test_the_chat_request_sent_on_validates_to_the_one_native_converts_to() -> N
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from ext_proc.tools.messages_conformance import SPECS
+    from ext_proc.tools.conformance.messages import SPECS
 
     for _, spec, _ in SPECS:
         for stream in (False, True):
@@ -265,8 +265,8 @@ def _events(*events: dict[str, Any]) -> bytes:
 
 
 def test_the_messages_checker_compares_what_a_client_reads_and_not_how_deltas_are_cut() -> None:
-    from ext_proc.tools.conformance import differences
-    from ext_proc.tools.messages_conformance import normalize_stream
+    from ext_proc.tools.conformance.core import differences
+    from ext_proc.tools.conformance.messages import normalize_stream
 
     start = {"type": "message_start", "message": {"id": "m1", "type": "message", "role": "assistant", "model": "t"}}
     block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}

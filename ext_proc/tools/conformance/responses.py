@@ -1,7 +1,7 @@
 """Conformance of OpenAI Responses: the gateway's `/v1/responses` answer must equal the
 engine's own `/v1/responses` answer (`tito conformance --api responses`).
 
-As for Messages (`messages_conformance.py`), each case runs first against the engine, whose
+As for Messages (`messages.py`), each case runs first against the engine, whose
 answer must show the case's feature, then against the gateway. Random values are normalized
 away (response, item and call ids: present; `created_at`). Compared: the response's status,
 model, echoed parameters, every output item (message text, reasoning text, function name and
@@ -26,17 +26,17 @@ from typing import Any
 
 import httpx
 
-from ext_proc.tools.conformance import (
-    LETTERS_REGEX,
+from ext_proc.tools.conformance.core import (
     MAX_REPORTED,
     Answer,
     CaseResult,
     Expect,
-    hermes_tool_call_regex,
     native_then_gateway,
+    normalize_body_error,
     posted,
+    split_events,
 )
-from ext_proc.tools.messages_conformance import normalize_error, split_events
+from ext_proc.tools.conformance.openai_cases import LETTERS_REGEX, hermes_tool_call_regex
 
 Json = dict[str, Any]
 PATH = "/v1/responses"
@@ -277,7 +277,7 @@ def fetch(client: httpx.Client, base_url: str, case: ResponsesCase, model: str) 
         return answer
     status, raw = answer
     if status != 200:
-        return normalize_error(status, raw)
+        return normalize_body_error(status, raw)
     if case.stream:
         return normalize_stream(raw)
     try:

@@ -1,7 +1,7 @@
 """Conformance of Anthropic Messages: the gateway's `/v1/messages` answer must equal the
 engine's own `/v1/messages` answer (`tito conformance --api messages`).
 
-As for chat (`conformance.py`), each case runs first against the engine, whose answer must show
+As for chat (`openai.py`), each case runs first against the engine, whose answer must show
 the case's feature, then against the gateway. Random values are normalized away (message and
 tool-use ids: present and stable; thinking signatures: present). Compared: the message's type,
 role and model, every content block (text, thinking, tool input as parsed JSON), the stop
@@ -23,7 +23,16 @@ from typing import Any
 
 import httpx
 
-from ext_proc.tools.conformance import MAX_REPORTED, Answer, CaseResult, Expect, native_then_gateway, posted
+from ext_proc.tools.conformance.core import (
+    MAX_REPORTED,
+    Answer,
+    CaseResult,
+    Expect,
+    native_then_gateway,
+    normalize_body_error,
+    posted,
+    split_events,
+)
 
 Json = dict[str, Any]
 PATH = "/v1/messages"
@@ -60,41 +69,6 @@ def normalize_message(body: Mapping[str, Any]) -> Answer:
             "usage": body.get("usage"),
         }
     )
-
-
-def normalize_error(status: int, raw: bytes) -> Answer:
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError:
-        return Answer(error=f"HTTP {status} {raw[:200].decode(errors='replace')}")
-    return Answer({"status": status, "body": body})
-
-
-def split_events(raw: bytes) -> tuple[list[tuple[str | None, Json]], list[str]]:
-    """(event name, data) pairs of an SSE body, plus framing problems."""
-    text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
-    events: list[tuple[str | None, Json]] = []
-    problems: list[str] = []
-    for block in text.split("\n\n"):
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line and not line.startswith(":"):
-                problems.append(f"non-SSE line {line[:60]!r}")
-        if not data:
-            continue
-        try:
-            parsed = json.loads("\n".join(data))
-        except json.JSONDecodeError:
-            problems.append(f"unparsable event {data[0][:60]!r}")
-            continue
-        if name != parsed.get("type"):
-            problems.append(f"event {name!r} carries a {parsed.get('type')!r}")
-        events.append((name, parsed))
-    return events, problems
 
 
 @dataclass
@@ -326,7 +300,7 @@ def fetch(client: httpx.Client, base_url: str, case: MessagesCase, model: str) -
         return answer
     status, raw = answer
     if status != 200:
-        return normalize_error(status, raw)
+        return normalize_body_error(status, raw)
     if case.path == COUNT_PATH:
         return Answer({"body": json.loads(raw)})
     if case.stream:

@@ -1,0 +1,209 @@
+"""What every API's conformance cases share: an answer reduced to what a client relies on,
+the field-by-field comparison, and the runner (native first, which must show the case's
+feature, then the gateway). Each API's cases and normalization are a module of their own
+(`openai.py` with `openai_cases.py`, `messages.py`, `responses.py`); `cli.py` is the command."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+Status = Literal["PASS", "FAIL", "BROKEN CASE"]
+Json = dict[str, Any]
+
+MAX_REPORTED = 6  # differences shown per case by default; the first ones say the most
+ABSENT: Any = object()  # a key one side has and the other lacks
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@dataclass
+class Answer:
+    """One endpoint's answer, reduced to what a client may rely on.
+
+    `normalized` holds `object`, `model`, `choices` (by index, as strings so JSON-like paths
+    read naturally) and `usage`; `problems` are SSE framing violations; `error` is set when
+    there was no usable answer at all (transport error, non-200, unparsable body).
+    """
+
+    normalized: Json = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def choices(self) -> list[Json]:
+        return [self.normalized["choices"][k] for k in sorted(self.normalized.get("choices", {}), key=int)]
+
+    @property
+    def usage(self) -> Json | None:
+        usage: Json | None = self.normalized.get("usage")
+        return usage
+
+
+def normalize_body_error(status: int, raw: bytes) -> Answer:
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError:
+        return Answer(error=f"HTTP {status} {raw[:200].decode(errors='replace')}")
+    return Answer({"status": status, "body": body})
+
+
+def split_events(raw: bytes) -> tuple[list[tuple[str | None, Json]], list[str]]:
+    """(event name, data) pairs of an SSE body, plus framing problems."""
+    text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+    events: list[tuple[str | None, Json]] = []
+    problems: list[str] = []
+    for block in text.split("\n\n"):
+        name, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+            elif line and not line.startswith(":"):
+                problems.append(f"non-SSE line {line[:60]!r}")
+        if not data:
+            continue
+        try:
+            parsed = json.loads("\n".join(data))
+        except json.JSONDecodeError:
+            problems.append(f"unparsable event {data[0][:60]!r}")
+            continue
+        if name != parsed.get("type"):
+            problems.append(f"event {name!r} carries a {parsed.get('type')!r}")
+        events.append((name, parsed))
+    return events, problems
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _short(value: Any) -> str:
+    if value is ABSENT:
+        return "<absent>"
+    if isinstance(value, list) and len(value) > 3:
+        return f"[{len(value)} items]"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _string_difference(path: str, gateway: str, native: str) -> str:
+    """Two texts shown from where they part (long texts would hide the difference)."""
+    at = next(
+        (i for i, (g, n) in enumerate(zip(gateway, native, strict=False)) if g != n), min(len(gateway), len(native))
+    )
+    start = max(0, at - 10)
+    tail = f" (from char {start} of {len(gateway)} vs {len(native)})" if start else ""
+    return f"{path}: gateway {_short(gateway[start:])} vs native {_short(native[start:])}{tail}"
+
+
+def _key_path(path: str, key: Any) -> str:
+    """`a.b` for names, `a["?"]` for the odd keys of completions' top_logprobs (token texts)."""
+    name = str(key)
+    if name.isidentifier() or name.isdigit():
+        return f"{path}.{name}" if path else name
+    return f"{path}[{json.dumps(name, ensure_ascii=False)}]"
+
+
+def differences(gateway: Any, native: Any, path: str = "") -> list[str]:
+    """Every leaf where the two normalized answers differ, as `path: gateway X vs native Y`.
+    Floats compare exactly: same engine, same seed, same prompt ids give the same numbers."""
+    if isinstance(gateway, dict) and isinstance(native, dict):
+        out: list[str] = []
+        for key in list(native) + [k for k in gateway if k not in native]:
+            out += differences(gateway.get(key, ABSENT), native.get(key, ABSENT), _key_path(path, key))
+        return out
+    if isinstance(gateway, list) and isinstance(native, list):
+        out = [f"{path}: gateway {len(gateway)} items vs native {len(native)}"] if len(gateway) != len(native) else []
+        for i, (g, n) in enumerate(zip(gateway, native, strict=False)):
+            out += differences(g, n, f"{path}[{i}]")
+        return out
+    if gateway == native and type(gateway) is type(native):
+        return []
+    if isinstance(gateway, str) and isinstance(native, str):
+        return [_string_difference(path, gateway, native)]
+    return [f"{path}: gateway {_short(gateway)} vs native {_short(native)}"]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the native answer must show for the case to exercise its feature."""
+
+    feature: str
+    holds: Callable[[Answer], bool]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    status: Status
+    lines: list[str]
+
+    def report(self) -> str:
+        if self.status == "PASS":
+            return f"PASS {self.name}"
+        return f"{self.status} {self.name}: " + "; ".join(self.lines)
+
+
+def posted(client: httpx.Client, base_url: str, path: str, body: Json) -> tuple[int, bytes] | Answer:
+    """One request as a client sends it: status and raw body (streams read raw, to check their
+    framing too), or the transport error as an unusable answer."""
+    url = base_url.rstrip("/").removesuffix("/v1") + path  # `…/v1` as the SDKs take it
+    try:
+        with client.stream("POST", url, json=body) as response:
+            return response.status_code, response.read()
+    except httpx.HTTPError as error:
+        return Answer(error=f"{type(error).__name__}: {error}")
+
+
+def compared(name: str, gateway: Answer, native: Answer, max_reported: int) -> CaseResult:
+    """The gateway's answer against native's, as one case's result."""
+    if gateway.error:
+        return CaseResult(name, "FAIL", [f"gateway: {gateway.error}"])
+    lines = [f"gateway {p}" for p in gateway.problems] + differences(gateway.normalized, native.normalized)
+    if len(lines) > max_reported:
+        lines = lines[:max_reported] + [f"(+{len(lines) - max_reported} more)"]
+    return CaseResult(name, "FAIL" if lines else "PASS", lines)
+
+
+def unexercised(expect: Sequence[Expect], native: Answer) -> list[str]:
+    """Why native's answer cannot judge the case (it must show the case's feature), if it cannot."""
+    if native.error:
+        return [f"native: {native.error}"]
+    if native.problems:
+        return [f"native {p}" for p in native.problems]
+    return [f"native answer lacks {e.feature}" for e in expect if not e.holds(native)]
+
+
+def native_then_gateway(
+    name: str,
+    expect: Sequence[Expect],
+    fetch: Callable[[str], Answer],
+    gateway_url: str,
+    native_url: str,
+    max_reported: int,
+) -> CaseResult:
+    """Native first (it must show the case's feature), then the gateway, then the comparison.
+    The usage's cached tokens depend on the engine's prefix cache, which native's answer has
+    just filled: when the answers differ, native is asked again, seeing the cache as the
+    gateway's answer saw it, and the gateway's answer must equal that one."""
+    native = fetch(native_url)
+    broken = unexercised(expect, native)
+    if broken:
+        return CaseResult(name, "BROKEN CASE", broken)
+    gateway = fetch(gateway_url)
+    result = compared(name, gateway, native, max_reported)
+    return result if result.status == "PASS" else compared(name, gateway, fetch(native_url), max_reported)
+
+
+def new_client(timeout: float = 120) -> httpx.Client:
+    """No proxies from the environment: both endpoints are addressed directly."""
+    return httpx.Client(timeout=timeout, trust_env=False)
