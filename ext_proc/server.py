@@ -14,7 +14,7 @@ import httpx
 from ext_proc.admin import start_admin, state
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
-from ext_proc.derender.in_process import DerenderModel
+from ext_proc.derender.model import DerenderModel
 from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.responses import ResponsesServing
 from ext_proc.derender.sidecar import DerenderClient

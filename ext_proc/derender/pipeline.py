@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import orjson
 
 from ext_proc.config import TitoConfig
-from ext_proc.derender.in_process import DerenderModel, derender_whole, stream_session
+from ext_proc.derender.in_process import derender_whole, stream_session
+from ext_proc.derender.model import DerenderModel
 from ext_proc.derender.sidecar import DerenderClient, SidecarDerender
 from ext_proc.derender.streaming import DONE, DONE_EVENT, SSEFramer, sse_event
 from ext_proc.errors import GatewayError

@@ -33,8 +33,8 @@ from typing import Any
 
 import orjson
 
-from ext_proc.derender.in_process import DerenderModel, cached_tokens
 from ext_proc.derender.logprobs import token_id_of
+from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import DONE
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.stepped import Stepped, run_coroutine

@@ -17,8 +17,10 @@ import httpx
 import orjson
 
 from ext_proc.config import RenderConfig
-from ext_proc.derender.in_process import ChatStream, DerenderModel, cached_tokens, derender_whole
+from ext_proc.derender.chat import ChatStream
+from ext_proc.derender.in_process import derender_whole
 from ext_proc.derender.logprobs import chat_logprobs, trim_completion_candidates
+from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response

@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 from ext_proc.config import RescheduleConfig
-from ext_proc.derender.in_process import cached_tokens
+from ext_proc.derender.model import cached_tokens
 from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, parse_event, whole_events
 from ext_proc.derender.streaming import SSEFramer
 from ext_proc.errors import GatewayError

@@ -28,7 +28,8 @@ import orjson
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config import ModelConfig
-from ext_proc.derender.in_process import ChatStream, DerenderModel
+from ext_proc.derender.chat import ChatStream
+from ext_proc.derender.model import DerenderModel
 from ext_proc.derender.pipeline import InProcessDerender, StreamDerender
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, added_token_ids, vocab_size_of
 from ext_proc.observability.request import Observability

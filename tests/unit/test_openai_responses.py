@@ -29,7 +29,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 @pytest.fixture(scope="module")
 def serving() -> Iterator[Any]:
     try:
-        from ext_proc.derender.in_process import DerenderModel
+        from ext_proc.derender.model import DerenderModel
         from ext_proc.derender.responses import ResponsesServing
         from ext_proc.tools.tiny_model import ensure_tiny_model
     except ImportError:
