@@ -312,6 +312,15 @@ class SimGateway:
             time.sleep(0.05)
 
 
+def leak_checked(gateway: SimGateway) -> Iterator[SimGateway]:
+    """A module's shared gateway for one test (`yield from` it in a fixture): its simulators
+    plain before, nothing leaked after."""
+    gateway.restore()
+    yield gateway
+    gateway.assert_no_leaks()
+    gateway.restore()
+
+
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """A Prometheus endpoint, parsed by prometheus_client's own text parser."""
     text = httpx.get(url, timeout=5, trust_env=False).text

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, running_sim_gateway
+from tests.conftest import RunningStack, SimGateway, leak_checked, running_sim_gateway
 
 CHAT = {"messages": [{"role": "user", "content": "Which adapter answers?"}], "max_tokens": 6}
 CATALOG = {"aliases": ["tiny-latest"], "adapters": [{"name": "sql", "path": "/adapters/sql"}]}
@@ -37,9 +37,7 @@ def lora(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def gw(lora: SimGateway) -> Iterator[SimGateway]:
-    lora.restore()
-    yield lora
-    lora.assert_no_leaks()
+    yield from leak_checked(lora)
     for sim in lora.sims:
         sim.adapters.clear()
         sim.loaded.clear()

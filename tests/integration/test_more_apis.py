@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway
+from tests.conftest import RunningStack, SimGateway, leak_checked, metric, running_sim_gateway
 from tests.engine_sim import Fault
 
 BUDGET = 1500  # tokens: every request fits, except the one meant not to
@@ -39,10 +39,7 @@ def messages_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture
 def gw(messages_gateway: SimGateway) -> Iterator[SimGateway]:
-    messages_gateway.restore()
-    yield messages_gateway
-    messages_gateway.assert_no_leaks()
-    messages_gateway.restore()
+    yield from leak_checked(messages_gateway)
 
 
 def _client(gw: SimGateway) -> anthropic.Anthropic:

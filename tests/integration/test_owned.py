@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, metric, running_sim_gateway
+from tests.conftest import RunningStack, SimGateway, leak_checked, metric, running_sim_gateway
 from tests.engine_sim import Fault
 
 QUEUE_DEPTH = 4
@@ -38,10 +38,7 @@ def owned(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture
 def gw(owned: SimGateway) -> Iterator[SimGateway]:
-    owned.restore()
-    yield owned
-    owned.assert_no_leaks()
-    owned.restore()
+    yield from leak_checked(owned)
 
 
 def _events(body: bytes) -> list[Any]:

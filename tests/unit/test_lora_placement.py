@@ -27,7 +27,7 @@ from scheduler import (
 )
 from scheduler.kv_block_hash import Lora
 from scheduler.policies import Policy
-from tests.unit.test_kv_block_hash import vllm_hashes
+from tests.vllm_reference import vllm_hashes
 
 ADDRS = ["a:1", "b:2", "c:3"]
 BLOCK = 16

