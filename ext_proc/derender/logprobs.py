@@ -11,7 +11,7 @@ here sorts or ranks candidates (tied logprobs are common, and their order is the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,7 +224,17 @@ def _kept(index: int, rank: int | None, top: int) -> bool:
 def trim_completion_candidates(generate: dict[str, Any], top: int) -> None:
     """For a derenderer that shows every candidate it gets (the sidecar): keep, in place,
     the candidates a completions answer shows (`_kept`)."""
+    _trim(generate, lambda i, rank: _kept(i, rank, top))
+
+
+def trim_chat_candidates(generate: dict[str, Any], top: int | None) -> None:
+    """Likewise for chat, which shows the engine's first `top_logprobs` candidates (none when
+    unset or 0, where generate still keeps one: it cuts its list at max(k, 1))."""
+    _trim(generate, lambda i, _: top == -1 or (top is not None and i < top))
+
+
+def _trim(generate: dict[str, Any], kept: Callable[[int, int | None], bool]) -> None:
     for choice in generate.get("choices") or []:
         for entry in (choice.get("logprobs") or {}).get("content") or []:
             tops = entry.get("top_logprobs") or []
-            entry["top_logprobs"] = [t for i, t in enumerate(tops) if _kept(i, t.get("rank"), top)]
+            entry["top_logprobs"] = [t for i, t in enumerate(tops) if kept(i, t.get("rank"))]

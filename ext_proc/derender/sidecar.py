@@ -10,7 +10,9 @@ and a parser-enabled stream gets its logprobs back.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import httpx
@@ -19,7 +21,7 @@ import orjson
 from ext_proc.config import RenderConfig
 from ext_proc.derender.chat import ChatStream
 from ext_proc.derender.in_process import derender_whole
-from ext_proc.derender.logprobs import chat_logprobs, trim_completion_candidates
+from ext_proc.derender.logprobs import chat_logprobs, trim_chat_candidates, trim_completion_candidates
 from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
@@ -96,14 +98,14 @@ class SidecarDerender:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
         prompt = request.prompts[prompt_index]
         request = replace(request, prompts=[prompt])
-        top = _completion_logprobs(request)
+        trim = _shown_candidates(request)
         generate = generate_response(generate_body)
         # usage's reasoning_tokens come from the engine's own ids, before the corrections below
         reasoning = await self._reasoning_details(request, generate)
-        if top is not None:
-            trim_completion_candidates(generate, top)
+        if trim is not None:
+            trim(generate)
         dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
-        if top is not None or dropped:
+        if trim is not None or dropped:
             generate_body = orjson.dumps(generate)
         if request.api is ApiKind.CHAT:
             body = (
@@ -262,9 +264,14 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _completion_logprobs(request: TokenizedRequest) -> int | None:
-    top = request.request.body.get("logprobs")
-    return top if request.api is ApiKind.COMPLETIONS and isinstance(top, int) and top >= 0 else None
+def _shown_candidates(request: TokenizedRequest) -> Callable[[dict[str, Any]], None] | None:
+    """What keeps, of generate's candidates, those the client is shown (vLLM's `/derender`
+    shows every candidate it gets), when the client asked for logprobs."""
+    body = request.request.body
+    top = body.get("logprobs")
+    if request.api is ApiKind.COMPLETIONS:
+        return partial(trim_completion_candidates, top=top) if isinstance(top, int) and top >= 0 else None
+    return partial(trim_chat_candidates, top=body.get("top_logprobs")) if top else None
 
 
 def _tool_calls_finish_reason(result: dict[str, Any], body: dict[str, Any]) -> None:
@@ -315,7 +322,7 @@ class SidecarStream:
         self._stop_strings = _stop_strings(body)
         self._top_logprobs = body.get("top_logprobs")
         self._as_ids = bool(body.get("return_tokens_as_token_ids"))
-        self._completion_top = _completion_logprobs(request)
+        self._trim = _shown_candidates(request)
         self._logprob_context: dict[int, list[int]] = {}
         self._opened: set[int] = set()  # chat choices whose role chunk went out
         self.completion_tokens = 0
@@ -329,8 +336,8 @@ class SidecarStream:
         if self._events is not None:
             self._events.extend(orjson.loads(orjson.dumps(e)) for e, _ in events if e.get("choices"))
         for event, payload in _coalesce(events):
-            if self._completion_top is not None:
-                trim_completion_candidates(event, self._completion_top)
+            if self._trim is not None:
+                self._trim(event)
                 payload = b""
             if _drop_stop_token(event):
                 payload = b""
@@ -350,7 +357,7 @@ class SidecarStream:
                 self._add_logprobs(chunk, choices[0])
             if self._stop_strings:
                 self._cut_stop_strings(chunk, index, choices[0].get("finish_reason") is not None)
-            if self._completion_top is not None:
+            if self._trim is not None and self._request.api is ApiKind.COMPLETIONS:
                 self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
         chunk["model"] = self._request.request.response_model(self._client.served_name)

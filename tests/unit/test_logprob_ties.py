@@ -134,9 +134,9 @@ def _asked(tokenized: TokenizedRequest) -> int:
 # -- native ----------------------------------------------------------------------------------
 
 
-def _native(env: _Env, api: ApiKind, positions: list[dict[int, Any]], sampled: list[int]) -> list[Any]:
+def _native(env: _Env, api: ApiKind, positions: list[dict[int, Any]], sampled: list[int], k: int = K) -> list[Any]:
     if api is ApiKind.CHAT:
-        logprobs = env.chat._create_chat_logprobs(sampled, positions, env.tokenizer, K)
+        logprobs = env.chat._create_chat_logprobs(sampled, positions, env.tokenizer, k)
         return _chat_view(logprobs.model_dump(mode="json")["content"])
     if api is ApiKind.COMPLETIONS:
         logprobs = env.completion._create_completion_logprobs(sampled, positions, K, env.tokenizer)
@@ -169,13 +169,13 @@ def _responses_view(logprobs: list[dict[str, Any]]) -> list[Any]:
 # -- the gateway -----------------------------------------------------------------------------
 
 
-def _request(env: _Env, api: ApiKind, params: dict[str, Any], stream: bool) -> TokenizedRequest:
+def _request(env: _Env, api: ApiKind, params: dict[str, Any], stream: bool, k: int = K) -> TokenizedRequest:
     """A rendered request for k candidates, as the gateway serves it (Responses: as completions)."""
     prompt = [int(t) for t in env.tokenizer.encode("hi")]
-    rendered = {"token_ids": prompt, "sampling_params": {"logprobs": K, **params}, "request_id": "t", "stream": stream}
+    rendered = {"token_ids": prompt, "sampling_params": {"logprobs": k, **params}, "request_id": "t", "stream": stream}
     body: dict[str, Any] = {"model": "tiny", "stream": stream, **params}
     if api is ApiKind.CHAT:
-        body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": K}
+        body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": k}
     elif api is ApiKind.COMPLETIONS:
         body |= {"prompt": "hi", "logprobs": K}
     else:
@@ -304,6 +304,19 @@ def test_tied_candidates_come_in_the_engines_order_as_natively(
     generate = _generate(_engine(env, rows, sampled, asked, asked), sampled, asked)
     native = _native(env, api, _engine(env, rows, sampled, K, K), sampled)
     assert _gateway(env, tokenized, generate, mode) == native
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_logprobs_without_top_logprobs_show_no_candidate_as_natively(env: _Env, mode: str, stream: bool) -> None:
+    """`top_logprobs: 0`: native shows none; generate keeps one (its cut is max(k, 1)), which
+    vLLM's `/derender` would show."""
+    rows = _rows(env)
+    sampled = [env.ids[12], env.ids[1], env.ids[13], env.ids[0]]
+    generate = _generate(_engine(env, rows, sampled, 0, 0), sampled, 0)
+    assert all(len(entry["top_logprobs"]) == 1 for entry in generate)
+    native = _native(env, ApiKind.CHAT, _engine(env, rows, sampled, 0, 0), sampled, k=0)
+    assert _gateway(env, _request(env, ApiKind.CHAT, {}, stream, k=0), generate, mode) == native
 
 
 @pytest.mark.parametrize(

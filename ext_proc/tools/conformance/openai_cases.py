@@ -219,6 +219,10 @@ ALL_REASONING_COUNTED = Expect(
     lambda a: 0 < _reasoning_tokens(a) == (a.usage or {}).get("completion_tokens"),
 )
 CHAT_TOP2 = Expect("logprobs with 2 top_logprobs", _all(_chat_top2))
+CHAT_NO_TOP = Expect(
+    "logprobs with no top_logprobs",
+    _all(lambda c: bool(c.get("logprobs")) and all(not e["top_logprobs"] for e in c["logprobs"])),
+)
 ID_TOKENS = Expect("logprob tokens as token ids", _all(_id_tokens))
 COMPLETION_TOP2 = Expect("logprobs with 2 top_logprobs", _all(_completion_top2))
 JSON_OBJECT = Expect("a JSON object", _all(_json_content))
@@ -468,5 +472,7 @@ SPECS: list[Spec] = [
         _completion(ENGLISH, 50, max_tokens=4, stop_token_ids=[OUT_OF_VOCABULARY]),
         (BAD_REQUEST,),
     ),
+    # `top_logprobs` unset: the sampled tokens' logprobs alone (generate still keeps one candidate)
+    Spec("logprobs-no-top", "chat", _constrained_chat(ENGLISH, 13, max_tokens=8, logprobs=True), (CHAT_NO_TOP,)),
 ]
 CASES: list[Case] = [case for spec in SPECS for case in spec.cases()]
