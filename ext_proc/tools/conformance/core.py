@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import httpx
@@ -141,6 +142,11 @@ class Expect:
     holds: Callable[[Answer], bool]
 
 
+def http_status(status: int) -> Expect:
+    """An error case's feature: native answers with this status."""
+    return Expect(f"HTTP {status}", lambda a: a.normalized.get("status") == status)
+
+
 @dataclass
 class CaseResult:
     name: str
@@ -207,3 +213,40 @@ def native_then_gateway(
 def new_client(timeout: float = 120) -> httpx.Client:
     """No proxies from the environment: both endpoints are addressed directly."""
     return httpx.Client(timeout=timeout, trust_env=False)
+
+
+def answer_of(
+    answer: tuple[int, bytes] | Answer,
+    stream: bool,
+    error: Callable[[int, bytes], Answer],
+    streamed: Callable[[bytes], Answer],
+    whole: Callable[[Any], Answer],
+) -> Answer:
+    """A posted request's answer as compared: an error by status and body, a stream or a
+    whole body normalized by the API's own rules."""
+    if isinstance(answer, Answer):
+        return answer
+    status, raw = answer
+    if status != 200:
+        return error(status, raw)
+    if stream:
+        return streamed(raw)
+    try:
+        return whole(json.loads(raw))
+    except (json.JSONDecodeError, AttributeError) as problem:
+        return Answer(error=f"unparsable JSON answer ({problem}): {raw[:120]!r}")
+
+
+def run_with(
+    fetch: Callable[..., Answer],
+    case: Any,
+    gateway_url: str,
+    native_url: str,
+    model: str,
+    client: httpx.Client,
+    max_reported: int = MAX_REPORTED,
+) -> CaseResult:
+    """One case (with `name` and `expect`) of an API whose `fetch(client, url, case=, model=)`
+    posts and normalizes it."""
+    fetched = partial(fetch, client, case=case, model=model)
+    return native_then_gateway(case.name, case.expect, fetched, gateway_url, native_url, max_reported)

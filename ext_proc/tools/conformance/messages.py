@@ -24,13 +24,13 @@ from typing import Any
 import httpx
 
 from ext_proc.tools.conformance.core import (
-    MAX_REPORTED,
     Answer,
-    CaseResult,
     Expect,
-    native_then_gateway,
+    answer_of,
+    http_status,
     normalize_body_error,
     posted,
+    run_with,
     split_events,
 )
 
@@ -193,10 +193,6 @@ def _stop(reason: str) -> Expect:
     return Expect(f"stop_reason {reason!r}", lambda a: a.normalized.get("stop_reason") == reason)
 
 
-def _status(status: int) -> Expect:
-    return Expect(f"HTTP {status}", lambda a: a.normalized.get("status") == status)
-
-
 TOOL = {
     "name": "get_weather",
     "description": "Current weather in a city",
@@ -284,10 +280,12 @@ CASES: list[MessagesCase] = [
     MessagesCase(
         "messages-count-tokens", {"messages": HISTORY, "tools": [TOOL], "system": "Be terse."}, path=COUNT_PATH
     ),
-    MessagesCase("messages-error-no-max-tokens", {"messages": [{"role": "user", "content": "hi"}]}, (_status(400),)),
-    MessagesCase("messages-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (_status(404),)),
-    MessagesCase("messages-error-too-long", _ask("hi " * 5000, 4), (_status(400),)),
-    MessagesCase("messages-error-too-long-stream", _ask("hi " * 5000, 4), (_status(400),), stream=True),
+    MessagesCase(
+        "messages-error-no-max-tokens", {"messages": [{"role": "user", "content": "hi"}]}, (http_status(400),)
+    ),
+    MessagesCase("messages-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (http_status(404),)),
+    MessagesCase("messages-error-too-long", _ask("hi " * 5000, 4), (http_status(400),)),
+    MessagesCase("messages-error-too-long-stream", _ask("hi " * 5000, 4), (http_status(400),), stream=True),
 ]
 
 
@@ -296,28 +294,8 @@ CASES: list[MessagesCase] = [
 
 def fetch(client: httpx.Client, base_url: str, case: MessagesCase, model: str) -> Answer:
     answer = posted(client, base_url, case.path, case.request(model))
-    if isinstance(answer, Answer):
-        return answer
-    status, raw = answer
-    if status != 200:
-        return normalize_body_error(status, raw)
-    if case.path == COUNT_PATH:
-        return Answer({"body": json.loads(raw)})
-    if case.stream:
-        return normalize_stream(raw)
-    try:
-        return normalize_message(json.loads(raw))
-    except (json.JSONDecodeError, AttributeError) as error:
-        return Answer(error=f"unparsable JSON answer ({error}): {raw[:120]!r}")
+    whole = (lambda body: Answer({"body": body})) if case.path == COUNT_PATH else normalize_message
+    return answer_of(answer, case.stream, normalize_body_error, normalize_stream, whole)
 
 
-def run_case(
-    case: MessagesCase,
-    gateway_url: str,
-    native_url: str,
-    model: str,
-    client: httpx.Client,
-    max_reported: int = MAX_REPORTED,
-) -> CaseResult:
-    fetched = partial(fetch, client, case=case, model=model)
-    return native_then_gateway(case.name, case.expect, fetched, gateway_url, native_url, max_reported)
+run_case = partial(run_with, fetch)

@@ -18,6 +18,7 @@ from ext_proc.tools.conformance.core import (
     Answer,
     CaseResult,
     Json,
+    answer_of,
     native_then_gateway,
     new_client,
     posted,
@@ -306,17 +307,9 @@ def normalize_stream(api: Api, raw: bytes) -> Answer:
 
 def fetch(client: httpx.Client, base_url: str, case: Case, model: str) -> Answer:
     answer = posted(client, base_url, PATHS[case.api], case.request(model))
-    if isinstance(answer, Answer):
-        return answer
-    status, raw = answer
-    if status != 200:
-        return normalize_error(status, raw)
-    if case.stream:
-        return normalize_stream(case.api, raw)
-    try:
-        return normalize_full(case.api, json.loads(raw))
-    except (json.JSONDecodeError, AttributeError) as error:
-        return Answer(error=f"unparsable JSON answer ({error}): {raw[:120]!r}")
+    return answer_of(
+        answer, case.stream, normalize_error, partial(normalize_stream, case.api), partial(normalize_full, case.api)
+    )
 
 
 def run_case(

@@ -27,13 +27,13 @@ from typing import Any
 import httpx
 
 from ext_proc.tools.conformance.core import (
-    MAX_REPORTED,
     Answer,
-    CaseResult,
     Expect,
-    native_then_gateway,
+    answer_of,
+    http_status,
     normalize_body_error,
     posted,
+    run_with,
     split_events,
 )
 from ext_proc.tools.conformance.openai_cases import LETTERS_REGEX, hermes_tool_call_regex
@@ -142,10 +142,6 @@ def _calls(n: int) -> Expect:
         f"{n} function calls",
         lambda a: sum(i["type"] == "function_call" for i in a.normalized.get("output") or []) == n,
     )
-
-
-def _status(status: int) -> Expect:
-    return Expect(f"HTTP {status}", lambda a: a.normalized.get("status") == status)
 
 
 def _answer_status(status: str) -> Expect:
@@ -259,12 +255,12 @@ CASES: list[ResponsesCase] = [
         _ask(ENGLISH, 16, include=[LOGPROBS], top_logprobs=2, temperature=1.0, seed=1),
         (HAS_REASONING, HAS_LOGPROBS),
     ),
-    ResponsesCase("responses-error-no-input", {"max_output_tokens": 4}, (_status(400),)),
-    ResponsesCase("responses-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (_status(404),)),
-    ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (_status(400),)),
-    ResponsesCase("responses-error-too-long-stream", _ask("hi " * 5000, 4), (_status(400),), stream=True),
-    ResponsesCase("responses-error-previous", _ask("hi", 4, previous_response_id="resp_1"), (_status(404),)),
-    ResponsesCase("responses-error-background", _ask("hi", 4, background=True), (_status(400),)),
+    ResponsesCase("responses-error-no-input", {"max_output_tokens": 4}, (http_status(400),)),
+    ResponsesCase("responses-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (http_status(404),)),
+    ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (http_status(400),)),
+    ResponsesCase("responses-error-too-long-stream", _ask("hi " * 5000, 4), (http_status(400),), stream=True),
+    ResponsesCase("responses-error-previous", _ask("hi", 4, previous_response_id="resp_1"), (http_status(404),)),
+    ResponsesCase("responses-error-background", _ask("hi", 4, background=True), (http_status(400),)),
 ]
 
 
@@ -273,26 +269,7 @@ CASES: list[ResponsesCase] = [
 
 def fetch(client: httpx.Client, base_url: str, case: ResponsesCase, model: str) -> Answer:
     answer = posted(client, base_url, PATH, case.request(model))
-    if isinstance(answer, Answer):
-        return answer
-    status, raw = answer
-    if status != 200:
-        return normalize_body_error(status, raw)
-    if case.stream:
-        return normalize_stream(raw)
-    try:
-        return normalize_response(json.loads(raw))
-    except (json.JSONDecodeError, AttributeError) as error:
-        return Answer(error=f"unparsable JSON answer ({error}): {raw[:120]!r}")
+    return answer_of(answer, case.stream, normalize_body_error, normalize_stream, normalize_response)
 
 
-def run_case(
-    case: ResponsesCase,
-    gateway_url: str,
-    native_url: str,
-    model: str,
-    client: httpx.Client,
-    max_reported: int = MAX_REPORTED,
-) -> CaseResult:
-    fetched = partial(fetch, client, case=case, model=model)
-    return native_then_gateway(case.name, case.expect, fetched, gateway_url, native_url, max_reported)
+run_case = partial(run_with, fetch)
