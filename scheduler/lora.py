@@ -24,17 +24,29 @@ class AdapterPlacement:
         self.max_loras = max_loras
         self.spread_requests = spread_requests
         self._registered: dict[str, frozenset[str]] = {}  # address -> adapters it lists
+        # The gateway's own loads, numbered: a listing fetched before a load cannot unlist it
+        self._loads = 0
+        self._loaded: dict[str, dict[str, int]] = {}  # address -> adapter -> its load's number
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (address, adapter)
         self._running: dict[str, Counter[str]] = {}  # address -> adapter -> requests in flight
 
     # -- what each instance lists -----------------------------------------------------
 
-    def set_registered(self, address: str, adapters: Iterable[str]) -> None:
-        """The instance's `/v1/models` lists these adapters (and no others)."""
-        self._registered[address] = frozenset(adapters)
+    def mark(self) -> int:
+        """Now, in the gateway's loads: what a listing fetched from here on knows of them."""
+        return self._loads
+
+    def set_registered(self, address: str, adapters: Iterable[str], since: int | None = None) -> None:
+        """The instance's `/v1/models` lists these adapters (and no others). `since`: the
+        `mark()` taken before the listing was fetched; an adapter the gateway loaded after
+        it stays listed (the listing may have left before the load)."""
+        later = {a for a, n in self._loaded.get(address, {}).items() if since is not None and n > since}
+        self._registered[address] = frozenset(adapters) | later
 
     def add_registered(self, address: str, adapter: str) -> None:
         """The gateway loaded the adapter on the instance."""
+        self._loads += 1
+        self._loaded.setdefault(address, {})[adapter] = self._loads
         self._registered[address] = self.registered(address) | {adapter}
 
     def registered(self, address: str) -> frozenset[str]:

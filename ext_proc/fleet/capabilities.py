@@ -275,6 +275,7 @@ class Capabilities:
         # Engines whose last liveness check failed (and no probe passed since): their next
         # passing check brings on the full probe at once
         self._down: set[str] = set()
+        self._lora_marks: dict[str, int] = {}  # the gateway's loads each engine's listing knows of
         self._probing: set[str] = set()  # endpoints whose probe runs now
         self._checking: set[str] = set()  # engines whose liveness check runs now
         self._wake = asyncio.Event()
@@ -387,6 +388,7 @@ class Capabilities:
 
     async def _probe(self, name: str) -> None:
         now = self._clock()
+        lora_mark = self._scheduler.lora.mark()  # an adapter loaded while this probe runs stays listed
         is_render = name in self.renders
         try:
             if is_render:
@@ -404,6 +406,8 @@ class Capabilities:
             self._schedule(name, failure)
             return
         (self.renders if is_render else self.engines)[name] = record
+        if not is_render:
+            self._lora_marks[name] = lora_mark
         self._down.discard(name)  # it answered: a check that fails from now on holds it out again
         self._schedule(name, None)
 
@@ -471,7 +475,7 @@ class Capabilities:
         record = self.engines[address]
         if record is not None and verdict.routes:  # its models and adapters, as it lists them
             self._catalog.listed(address, [dict(card) for card in record.model_cards])
-            self._scheduler.lora.set_registered(address, record.lora_adapters)
+            self._scheduler.lora.set_registered(address, record.lora_adapters, self._lora_marks.get(address))
         elif record is None or record.error is None:
             # held out for what it serves; one out only for a failure keeps its listing (a
             # request for one of its adapters gets a 503 while it is down, not a 404)

@@ -217,3 +217,19 @@ def test_an_engines_blocks_for_one_adapter_match_it_and_not_another() -> None:
     assert for_a.instance.address == "b:2" and for_a.matched_tokens == 8 * BLOCK
     assert _pick(scheduler, "r2", "B", "/loras/b").matched_tokens == 0
     assert _pick(scheduler, "r3", None).matched_tokens == 0
+
+
+def test_a_listing_fetched_before_a_load_does_not_unlist_the_loaded_adapter() -> None:
+    """A capability probe fetches `/v1/models`, the gateway loads an adapter meanwhile, then
+    the probe's listing (without it) arrives: the adapter stays listed there, or the next
+    request for it would load it on another instance. A listing fetched after it rules."""
+    lora = AdapterPlacement()
+    before = lora.mark()
+    lora.add_registered("a:1", "sql")
+    lora.set_registered("a:1", [], since=before)
+    assert lora.holders("sql") == {"a:1"}
+    lora.set_registered("a:1", [], since=lora.mark())  # fetched after the load: unloaded since
+    assert lora.holders("sql") == set()
+    lora.add_registered("a:1", "sql")
+    lora.set_registered("a:1", [])  # no mark: the listing rules, as before
+    assert lora.holders("sql") == set()
