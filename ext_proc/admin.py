@@ -85,10 +85,9 @@ _UNREADY = {
 }
 
 
-def unready_reasons(services: Services) -> list[str]:
-    """Why `/ready` is 503, one line per failing check; the pools without an engine that
-    routes are named each, with why every one of its engines is held out."""
-    checks = readiness(services)
+def unready_reasons(services: Services, checks: dict[str, bool]) -> list[str]:
+    """Why `/ready` is 503, one line per failing check (`readiness`'s); the pools without an
+    engine that routes are named each, with why every one of its engines is held out."""
     reasons = [f"{check}: {_UNREADY[check]}" for check, ok in checks.items() if not ok and check in _UNREADY]
     for base in services.bases:
         model = f"model {base.config.model.served_name}: " if len(services.bases) > 1 else ""
@@ -157,11 +156,13 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond("200 OK", "text/plain", b"ok\n")
         elif path == "/ready":
             checks = readiness(services)
-            if all(checks.values()):
-                response = _respond("200 OK", "application/json", orjson.dumps({"ready": True, **checks}))
-            else:
-                unready = {"ready": False, **checks, "reasons": unready_reasons(services)}
-                response = _respond(_STATUS[503], "application/json", orjson.dumps(unready))
+            ready = all(checks.values())
+            answer = (
+                {"ready": ready, **checks}
+                if ready
+                else {"ready": False, **checks, "reasons": unready_reasons(services, checks)}
+            )
+            response = _respond(_STATUS[200 if ready else 503], "application/json", orjson.dumps(answer))
         elif path == "/debug/state":
             response = _respond("200 OK", "application/json", orjson.dumps(state(services)))
         elif path == "/metrics":
