@@ -7,25 +7,22 @@ they are on the wire; these models only carry what the gateway itself reasons ab
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
+
+import orjson
 
 GENERATE_PATH = "/inference/v1/generate"
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, omitted from render output when equal
 
 
-class ApiKind(enum.Enum):
-    """An OpenAI API the gateway renders (Anthropic Messages are chat inside the gateway,
-    OpenAI Responses are rendered as such and completions inside); anything else goes to the
-    engine untouched."""
+class Pipeline(enum.Enum):
+    """The two ways a request becomes token ids and ids become an answer, which every client
+    API feeds (`ext_proc/api/`): a chat (messages through the chat template) or a completions
+    prompt. The value is the vLLM endpoint serving a body of that pipeline."""
 
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
-    RESPONSES = "/v1/responses"
-
-    @property
-    def render_path(self) -> str:
-        return self.value + "/render"
 
     @property
     def derender_path(self) -> str:
@@ -34,34 +31,11 @@ class ApiKind(enum.Enum):
     @property
     def client_request_key(self) -> str:
         """Where derender expects the original client request."""
-        return "chat_request" if self is ApiKind.CHAT else "completion_request"
-
-    @classmethod
-    def from_handler(cls, handler: str) -> ApiKind | None:
-        """The API of a public route's handler (`listener.routes`), if tito renders it."""
-        chat, completions = cls.CHAT, cls.COMPLETIONS
-        return {
-            "chat": chat,
-            "completions": completions,
-            "messages": chat,
-            "messages_count_tokens": chat,
-            "responses": cls.RESPONSES,
-        }.get(handler)
-
-
-class ApiFamily(enum.Enum):
-    """The API the client speaks. Anthropic Messages requests are chat requests inside the
-    gateway (as in native vLLM): converted at the door, their answers converted on the way
-    out (`frontend/anthropic_messages.py`). OpenAI Responses requests are completions
-    requests once rendered (`frontend/openai_responses.py`)."""
-
-    OPENAI = "openai"
-    MESSAGES = "messages"
-    RESPONSES = "responses"
+        return "chat_request" if self is Pipeline.CHAT else "completion_request"
 
 
 class StreamConversion(Protocol):
-    """One answer's stream, converted: the inner API's SSE payloads in, the client's SSE out."""
+    """One answer's stream, converted: the pipeline's SSE payloads in, the client's SSE out."""
 
     def convert(self, payloads: list[bytes], end: bool = False) -> bytes: ...
 
@@ -71,12 +45,12 @@ class StreamConversion(Protocol):
 
 
 class Conversion(Protocol):
-    """How a client's answer is made from the answer of the API inside the gateway."""
+    """How a client API's answer is made from the answer of the pipeline its request is served as."""
 
     def stream(self) -> StreamConversion: ...
 
     def whole(self, body: bytes) -> tuple[int, bytes]:
-        """A whole inner answer (status 200) -> the client's status and body."""
+        """A whole pipeline answer (status 200) -> the client's status and body."""
         ...
 
     def error(self, status: int, body: bytes) -> bytes:
@@ -104,17 +78,23 @@ class Adapter:
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """The client's request, parsed once (the raw bytes are not kept)."""
+    """A client's request as its API room hands it to the pipeline, parsed once (the raw
+    bytes are not kept)."""
 
-    api: ApiKind
+    api: Pipeline
     body: dict[str, Any]
     adapter: Adapter | None = None
-    family: ApiFamily = ApiFamily.OPENAI  # the client's API (MESSAGES: `body` is its chat request)
-    conversion: Conversion | None = None  # the client's answer from the inner one (not OPENAI)
-    # The client's own request, where engines serve its API themselves (Responses): a native
-    # leg sends it as it came and the engine's answer is the client's (its usage counts the
-    # prefix-cache hits native Responses reports, which completions only report with
-    # --enable-prompt-tokens-details). None: a native leg sends this (inner) request.
+    # The vLLM endpoint that serves `body` as it is, where that is not its pipeline's own (a
+    # client API whose body render reads at `path + "/render"`, before its API room makes it
+    # a pipeline request): render there, no local tokenizer, a native leg there.
+    path: str | None = None
+    conversion: Conversion | None = None  # the client's answer from the pipeline's (None: the same)
+    # The client's answer is made per engine step (its API parses each step's output ids):
+    # steps stay apart, and derender runs in process (the sidecar's /derender lacks the ids).
+    per_step: bool = False
+    # The client's own request, where engines serve its API themselves: a native leg sends it
+    # as it came and the engine's answer is the client's (e.g. usage an engine reports only
+    # on that endpoint). None: a native leg sends this (pipeline) request.
     native: OpenAIRequest | None = None
 
     @property
@@ -140,7 +120,12 @@ class OpenAIRequest:
     def logprobs(self) -> bool:
         """Output logprobs are asked for (completions: `logprobs` set, 0 included)."""
         value = self.body.get("logprobs")
-        return _flag(value) if self.api is ApiKind.CHAT else value is not None
+        return _flag(value) if self.api is Pipeline.CHAT else value is not None
+
+    @property
+    def endpoint(self) -> str:
+        """The vLLM endpoint serving this body: its render route is this + "/render"."""
+        return self.path or self.api.value
 
     def engine_body(self) -> dict[str, Any]:
         """The body an engine's own OpenAI endpoint gets (native path), and all the gateway
@@ -148,13 +133,20 @@ class OpenAIRequest:
         metadata. `messages` stay whole: tool parsers number call ids by the history."""
         return {k: v for k, v in self.body.items() if k not in NOT_FOR_ENGINES}
 
+    def engine_bytes(self, raw: bytes) -> bytes:
+        """The client's body (`raw`) for an engine's own endpoint: as sent, unless it carries
+        fields an engine must not get (then re-encoded without them)."""
+        if any(key in self.body for key in NOT_FOR_ENGINES):
+            return orjson.dumps(self.engine_body())
+        return raw
+
     def response_model(self, served_name: str) -> str:
         """The answer's `model` as native vLLM names it: the adapter's name, else the base's
         first served name (an alias is answered under that name too)."""
         return self.adapter.name if self.adapter is not None else served_name
 
     def kept(self) -> OpenAIRequest:
-        return OpenAIRequest(self.api, self.engine_body(), self.adapter, self.family, self.conversion, self.native)
+        return replace(self, body=self.engine_body())
 
     def on_native_route(self) -> OpenAIRequest:
         """What an engine's own endpoint gets on the native path."""
@@ -199,15 +191,15 @@ class TokenizedRequest:
     tokenizer_source: Literal["render", "local"] = "render"
 
     @property
-    def api(self) -> ApiKind:
+    def api(self) -> Pipeline:
         return self.request.api
 
     @property
     def shows_sampled_beside_k(self) -> bool:
         """Its client sees each position's sampled token beside the engine's top k candidates
-        (k + 1 entries where it ranks outside them): completions' logprobs. Chat and Responses
-        show the first k (`token_only.engine_logprobs`)."""
-        return self.request.api is ApiKind.COMPLETIONS and self.request.family is ApiFamily.OPENAI
+        (k + 1 entries where it ranks outside them): completions' logprobs shown as they are.
+        Chat, and an API converting the answer, show the first k (`token_only.engine_logprobs`)."""
+        return self.request.api is Pipeline.COMPLETIONS and self.request.conversion is None
 
     @property
     def stream(self) -> bool:
@@ -220,7 +212,7 @@ class TokenizedRequest:
         """Whether engines stream their answer: as the client streams, unless the stream shows
         the prompt's logprobs (completions `echo` with `logprobs`), which generate only returns
         in a whole answer; then the engine answers whole and derender streams that answer."""
-        return self.stream and not (self.api is ApiKind.COMPLETIONS and self.request.echo and self.request.logprobs)
+        return self.stream and not (self.api is Pipeline.COMPLETIONS and self.request.echo and self.request.logprobs)
 
     @property
     def n(self) -> int:

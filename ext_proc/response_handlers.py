@@ -327,7 +327,7 @@ async def replay_native(
     try:
         async with http.stream(
             "POST",
-            f"http://{address}{request.api.value}",
+            f"http://{address}{request.endpoint}",
             content=orjson.dumps(request.engine_body()),
             headers={"content-type": JSON},
             timeout=timeout,

@@ -12,11 +12,11 @@ import grpc
 import httpx
 
 from ext_proc.admin import start_admin, state
+from ext_proc.api.routes import client_apis, render_routes
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.derender.model import DerenderModel
 from ext_proc.derender.pipeline import build_derenderer
-from ext_proc.derender.responses import ResponsesServing
 from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
@@ -131,6 +131,8 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
         renderer = await InProcessRender.load(
             config.model, render.prefix_cache, render.prefix_cache_max_ids, render.reuse_parsers
         )
+        for endpoint, route in render_routes().items():  # what the client APIs render beyond chat and completions
+            renderer.serve(endpoint, route)
         members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
         members = [
@@ -212,7 +214,7 @@ def build_services(
         derender=build_derenderer(
             config, DerenderClient(render, http, config.model.served_name, config.model.has_parser), model, codec
         ),
-        responses=ResponsesServing(model, config.model.max_model_len),
+        apis=client_apis(planner, render_pool, config.model, model),
         planner=planner,
         http=http,
         http_streams=streams,

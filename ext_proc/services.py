@@ -8,23 +8,19 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import httpx
-import orjson
 
+from ext_proc.api.body import parse_body
+from ext_proc.api.routes import ClientApi, client_apis
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
 from ext_proc.derender.pipeline import Derenderer
-from ext_proc.derender.responses import ResponsesServing
 from ext_proc.errors import GatewayError
 from ext_proc.fleet.capabilities import Capabilities
 from ext_proc.fleet.http_client import CountingTransport
-from ext_proc.frontend.anthropic_messages import MESSAGES, MessagesFrontend, anthropic_error, family_of
 from ext_proc.frontend.model_catalog import models_body, not_found
-from ext_proc.frontend.openai_api import parse_body
-from ext_proc.frontend.openai_responses import responses_request
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.prefill import prefilled
 from ext_proc.legs.trigger import Triggers
@@ -33,7 +29,6 @@ from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner, token_only_required
-from ext_proc.protocol import ApiFamily, ApiKind
 from ext_proc.response_handlers import Outs, error_answer, replay_native
 from scheduler import Scheduler
 
@@ -66,11 +61,12 @@ class Services:
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     process: ProcessState = field(default_factory=ProcessState)
-    responses: ResponsesServing | None = None  # OpenAI Responses answers (None: not served)
-    messages: MessagesFrontend = field(init=False)  # Anthropic Messages, converted to chat
+    # The route table: each handler's client API (empty: the APIs without a derender model)
+    apis: dict[str, ClientApi] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.messages = MessagesFrontend(self.tokenization.pool, self.config.model.served_name)
+        if not self.apis:
+            self.apis = client_apis(self.planner, self.tokenization.pool, self.config.model)
         if not self.process.bases:  # a one-model gateway (and the first base of a catalog)
             self.process.bases.append(self)
 
@@ -89,61 +85,23 @@ class Services:
         raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
 
     async def plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
-        """The request's base model (its services serve it from here on) and its plan."""
-        api = ApiKind.from_handler(handler)
-        assert api is not None
+        """The request's base model (its services serve it from here on) and its plan, made by
+        the route's API."""
         try:
-            body = parse_body(content_type, raw)
+            body = await parse_body(content_type, raw)  # native's refusals before any route
         except GatewayError as error:
             return self, Local(error.status, error.body)
-        if family_of(handler) is ApiFamily.MESSAGES:
-            return await self._plan_messages(handler, body, request_id)
-        if api is ApiKind.RESPONSES:
-            return await self._plan_responses(body, raw, request_id)
         try:
             base = self.base_for(body.get("model"))
         except GatewayError as error:
-            return self, Local(error.status, error.body)
-        return base, await base.planner.plan(api, body, raw, request_id)
+            return self, Local(error.status, self.apis[handler].error(error.status, error.body))
+        return base, await base.apis[handler].plan(handler, body, raw, request_id)
 
-    async def _plan_messages(self, handler: str, body: dict[str, Any], request_id: str) -> tuple[Services, Plan]:
-        """A Messages request: its chat request planned as chat; what the route refuses is in
-        Anthropic's envelope (a body vLLM's model refuses keeps native's validation error)."""
-        base = self
-        try:
-            base = self.base_for(body.get("model"))
-        except GatewayError as error:
-            return self, Local(error.status, anthropic_error(error.status, error.body))
-        try:
-            chat = await base.messages.chat_body(body, count_tokens=handler == "messages_count_tokens")
-        except GatewayError as error:  # its body is native's already
-            return base, Local(error.status, error.body)
-        raw = orjson.dumps(chat)
-        if handler == "messages_count_tokens":
-            plan: Plan = await base.planner.count_tokens(chat, raw, request_id)
-        else:
-            plan = await base.planner.plan(ApiKind.CHAT, chat, raw, request_id, ApiFamily.MESSAGES, MESSAGES)
-        if isinstance(plan, Local) and plan.status != 200:
-            plan = Local(plan.status, anthropic_error(plan.status, plan.body))
-        return base, plan
-
-    async def _plan_responses(self, body: dict[str, Any], raw: bytes, request_id: str) -> tuple[Services, Plan]:
-        """A Responses request: refused as native refuses it without a store, else rendered as
-        such and served as the completions request it then is (`derender/responses.py`)."""
-        try:
-            base = self.base_for(body.get("model"))
-            client = await responses_request(raw, request_id)
-        except GatewayError as error:
-            return self, Local(error.status, error.body)
-        if base.responses is None:
-            refused = GatewayError(501, "the Responses API is not served by this gateway", code="unsupported")
-            return base, Local(refused.status, refused.body)
-        named = {**body, "request_id": client.request_id}  # render names its prompt with the gateway's id
-        inside = partial(base.responses.inside, client=client)
-        raw = orjson.dumps(named)
-        return base, await base.planner.plan(
-            ApiKind.RESPONSES, named, raw, request_id, ApiFamily.RESPONSES, None, inside
-        )
+    async def bodiless(self, handler: str, content_type: str | None) -> GatewayError:
+        """What a request without a body gets: native's answer to an empty one."""
+        _, plan = await self.plan(handler, content_type, b"", "")
+        assert isinstance(plan, Local)
+        return GatewayError(plan.status, "no request body", body=plan.body)
 
     def answer(self, handler: str) -> bytes:
         """What the processor answers itself: health, and /v1/models (every base's catalog)."""
@@ -163,7 +121,7 @@ class Services:
         if isinstance(routed, TokenOnly) and routed.trigger_attempt is not None:
             self.triggers.expect(routed, spawn)
         converted = plan.tokenized.request.conversion
-        if isinstance(routed, Local) and converted is not None:  # a failed prefill, in the client's envelope
+        if isinstance(routed, Local) and converted is not None:  # a failed prefill, in the client API's envelope
             routed = Local(routed.status, converted.error(routed.status, routed.body))
         return routed
 

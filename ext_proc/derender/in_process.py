@@ -18,13 +18,13 @@ from typing import Any
 from ext_proc.derender.chat import ChatStream, chat_response
 from ext_proc.derender.completions import CompletionStream, completion_response
 from ext_proc.derender.model import DerenderModel
-from ext_proc.protocol import ApiKind, TokenizedRequest
+from ext_proc.protocol import Pipeline, TokenizedRequest
 
 
 def stream_session(
     model: DerenderModel, request: TokenizedRequest, prompt_index: int = 0
 ) -> ChatStream | CompletionStream:
-    if request.api is ApiKind.CHAT:
+    if request.api is Pipeline.CHAT:
         return ChatStream(model, request, prompt_index)
     return CompletionStream(model, request, prompt_index)
 
@@ -34,6 +34,6 @@ def derender_whole(
 ) -> bytes:
     """One prompt's GenerateResponse -> the OpenAI JSON body native serving returns (one step
     over all ids with the same detokenizer; one `parser.parse` per choice, as natively)."""
-    if request.api is ApiKind.CHAT:
+    if request.api is Pipeline.CHAT:
         return chat_response(model, request, generate)
     return completion_response(model, request, generate, prompt_index)

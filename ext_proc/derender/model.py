@@ -12,7 +12,7 @@ from ext_proc.derender.logprobs import (
     prompt_logprobs_field,
 )
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.protocol import ApiKind, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, PromptTokens, TokenizedRequest
 
 
 class DerenderModel:
@@ -59,7 +59,7 @@ class DerenderModel:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        cls = ChatCompletionRequest if request.api is ApiKind.CHAT else CompletionRequest
+        cls = ChatCompletionRequest if request.api is Pipeline.CHAT else CompletionRequest
         return cls.model_validate(request.request.body)
 
     def parser(self, client: Any) -> Any:

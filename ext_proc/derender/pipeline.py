@@ -29,7 +29,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import CHUNK_SAMPLE, current
-from ext_proc.protocol import ApiFamily, TokenizedRequest
+from ext_proc.protocol import TokenizedRequest
 
 log = logging.getLogger("tito.derender")
 
@@ -188,16 +188,17 @@ def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-class ByFamily:
-    """Sidecar mode: OpenAI Responses requests still derender in process. vLLM 0.32's
-    completions /derender leaves out the output ids their parsers read, per step."""
+class SidecarUnlessPerStep:
+    """Sidecar mode: a request whose answer is made per engine step (`OpenAIRequest.per_step`)
+    still derenders in process: vLLM 0.32's completions /derender leaves out the output ids
+    such an answer reads, per step."""
 
     def __init__(self, sidecar: Derenderer, in_process: Derenderer) -> None:
         self._sidecar = sidecar
         self._in_process = in_process
 
     def _for(self, request: TokenizedRequest) -> Derenderer:
-        return self._in_process if request.request.family is ApiFamily.RESPONSES else self._sidecar
+        return self._in_process if request.request.per_step else self._sidecar
 
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
         return self._for(request).stream(request, prompt_index)
@@ -238,7 +239,7 @@ def build_derenderer(
     at start-up, never on a request; the sidecar mode uses it only for its corrections."""
     backend: Derenderer = InProcessDerender(model)
     if config.derender.mode == "sidecar":
-        backend = ByFamily(SidecarDerender(client, model), backend)
+        backend = SidecarUnlessPerStep(SidecarDerender(client, model), backend)
     return MeasuredDerender(backend if codec is None else SemanticDerender(backend, codec))
 
 

@@ -12,7 +12,7 @@ import orjson
 
 from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import sse_event
-from ext_proc.protocol import ApiFamily, PromptTokens, TokenizedRequest
+from ext_proc.protocol import PromptTokens, TokenizedRequest
 
 
 @dataclass
@@ -82,8 +82,8 @@ class Session:
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
         self._prompt_logprobs: list[Any] | None = None  # a whole answer's (the only ones that carry them)
         self.cached_tokens: int | None = None  # the engine's prefix-cache hits, when it reports them
-        # A Responses request's steps stay apart: its parser runs on each (`responses.py`)
-        self._merges = request.request.family is not ApiFamily.RESPONSES
+        # An answer made per step keeps its steps apart: its API parses each one
+        self._steps_apart = request.request.per_step
 
     @property
     def completion_tokens(self) -> int:
@@ -118,7 +118,7 @@ class Session:
         chunks: list[dict[str, Any]] = []
         for event in events:
             for chunk in self._event(event):
-                merged = merge(chunks[-1], chunk) if chunks and self._merges else None
+                merged = merge(chunks[-1], chunk) if chunks and not self._steps_apart else None
                 if merged is None:
                     chunks.append(chunk)
                 else:

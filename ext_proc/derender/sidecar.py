@@ -26,7 +26,7 @@ from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
-from ext_proc.protocol import ApiKind, TokenizedRequest
+from ext_proc.protocol import Pipeline, TokenizedRequest
 
 
 class DerenderClient:
@@ -107,7 +107,7 @@ class SidecarDerender:
         dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
         if trim is not None or dropped:
             generate_body = orjson.dumps(generate)
-        if request.api is ApiKind.CHAT:
+        if request.api is Pipeline.CHAT:
             body = (
                 b'{"generate_response":'
                 + generate_body
@@ -133,7 +133,7 @@ class SidecarDerender:
             for key in ("completion_tokens", "total_tokens"):
                 result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
         _prompt_details(self._model, result.get("usage"), request.api, generate.get("usage"), whole=True)
-        if request.api is ApiKind.CHAT:
+        if request.api is Pipeline.CHAT:
             _tool_calls_finish_reason(result, request.request.body)
             if reasoning is not None and isinstance(result.get("usage"), dict):
                 result["usage"]["completion_tokens_details"] = reasoning
@@ -151,7 +151,7 @@ class SidecarDerender:
         field = self._model.prompt_logprobs(generate, request.prompts[0])
         if field is None:
             return
-        if request.api is ApiKind.CHAT:
+        if request.api is Pipeline.CHAT:
             result["prompt_logprobs"] = field
             return
         for choice in result.get("choices") or []:
@@ -160,7 +160,7 @@ class SidecarDerender:
     async def _reasoning_details(self, request: TokenizedRequest, generate: dict[str, Any]) -> Any:
         """Native `completion_tokens_details` of a whole chat answer (one parser pass, on a
         thread), or None when no reasoning parser is configured; `generate` is only read."""
-        if request.api is not ApiKind.CHAT or not self._model.include_reasoning_details:
+        if request.api is not Pipeline.CHAT or not self._model.include_reasoning_details:
             return None
         native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, generate))
         return native["usage"]["completion_tokens_details"]
@@ -206,14 +206,14 @@ def _cut_fields(holder: dict[str, Any], stop: _StopCut, final: bool) -> None:
             holder[field] = kept.get(field, "" if field == "text" else None)
 
 
-def _prompt_details(model: DerenderModel, usage: Any, api: ApiKind, generate_usage: Any, whole: bool) -> None:
+def _prompt_details(model: DerenderModel, usage: Any, api: Pipeline, generate_usage: Any, whole: bool) -> None:
     """The engine's cached tokens as native's `prompt_tokens_details` (derender drops them),
     in native's place: before the completion's details."""
     cached = cached_tokens(generate_usage)
     if cached is None or not isinstance(usage, dict):
         return
     completion = usage.pop("completion_tokens_details", None)
-    details = model.prompt_details(api is ApiKind.CHAT, int(usage["prompt_tokens"]), cached, whole)
+    details = model.prompt_details(api is Pipeline.CHAT, int(usage["prompt_tokens"]), cached, whole)
     usage["prompt_tokens_details"] = details
     if completion is not None or whole:
         usage["completion_tokens_details"] = completion
@@ -269,7 +269,7 @@ def _shown_candidates(request: TokenizedRequest) -> Callable[[dict[str, Any]], N
     shows every candidate it gets), when the client asked for logprobs."""
     body = request.request.body
     top = body.get("logprobs")
-    if request.api is ApiKind.COMPLETIONS:
+    if request.api is Pipeline.COMPLETIONS:
         return partial(trim_completion_candidates, top=top) if isinstance(top, int) and top >= 0 else None
     return partial(trim_chat_candidates, top=body.get("top_logprobs")) if top else None
 
@@ -310,12 +310,12 @@ class SidecarStream:
         self._model = model
         self._fix_logprobs = (
             model.logprobs
-            if client.prompt_ids_every_call and request.api is ApiKind.CHAT and body.get("logprobs")
+            if client.prompt_ids_every_call and request.api is Pipeline.CHAT and body.get("logprobs")
             else None
         )
         # usage's reasoning_tokens: counted by replaying the events through a parser once, at the end
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        count = request.api is ApiKind.CHAT and include_usage and model.include_reasoning_details
+        count = request.api is Pipeline.CHAT and include_usage and model.include_reasoning_details
         self._events: list[dict[str, Any]] | None = [] if count else None
         self._stops: dict[int, _StopCut] = {}
         self._text_offsets: dict[int, int] = {}
@@ -357,7 +357,7 @@ class SidecarStream:
                 self._add_logprobs(chunk, choices[0])
             if self._stop_strings:
                 self._cut_stop_strings(chunk, index, choices[0].get("finish_reason") is not None)
-            if self._trim is not None and self._request.api is ApiKind.COMPLETIONS:
+            if self._trim is not None and self._request.api is Pipeline.COMPLETIONS:
                 self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
         chunk["model"] = self._request.request.response_model(self._client.served_name)
@@ -368,10 +368,10 @@ class SidecarStream:
             _prompt_details(self._model, chunk.get("usage"), self._request.api, event.get("usage"), whole=False)
             if self._events is not None and isinstance(chunk.get("usage"), dict):
                 chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": await self._reasoning_tokens()}
-        if self._request.api is ApiKind.CHAT and index >= 0:
+        if self._request.api is Pipeline.CHAT and index >= 0:
             _engine_finish(chunk, choices[0].get("finish_reason"))
         opening = b""
-        if self._request.api is ApiKind.CHAT and index >= 0 and index not in self._opened:
+        if self._request.api is Pipeline.CHAT and index >= 0 and index not in self._opened:
             self._opened.add(index)
             opening = sse_event(orjson.dumps(_role_chunk(chunk)))
         return opening + sse_event(orjson.dumps(chunk))

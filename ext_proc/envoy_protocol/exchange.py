@@ -96,8 +96,8 @@ class Exchange(EnvoyStream):
             self._forwarded(message.end_of_stream)
         elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
-        elif message.end_of_stream:
-            yield self._refuse(GatewayError(400, "request body is required", code="missing_body"))
+        elif message.end_of_stream:  # no body: answered as native answers one (never planned)
+            yield self._refuse(await self._s.bodiless(handler, headers.get("content-type")))
         else:
             self._route = handler
 

@@ -221,8 +221,8 @@ def routed_replies(
     if isinstance(plan, TokenOnly):
         set_headers |= {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": plan.routed.lease_id}
         remove = ("content-length", *remove)
-    elif plan.request.conversion is not None:  # the inner API's request (Messages: chat) on its own route
-        set_headers[":path"] = plan.request.api.value
+    elif plan.request.conversion is not None:  # a pipeline request made of the client's: to its own endpoint
+        set_headers[":path"] = plan.request.endpoint
         remove = ("content-length", *remove)
     headers = request_headers_reply(
         set_headers=set_headers, remove=[h for h in remove if h not in set_headers], destination=",".join(hosts)

@@ -52,7 +52,7 @@ class RenderClient:
         """`raw`: the client's body as it came (render validates it like vLLM serving)."""
         try:
             response = await self._http.post(
-                self._base + request.api.render_path,
+                self._base + request.endpoint + "/render",
                 content=raw,
                 headers={"content-type": "application/json", "x-request-id": request_id},
                 timeout=self._timeout,
@@ -69,7 +69,7 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
     if status in (400, 422) or (status == 404 and _is_openai_error(body)):
         raise RenderRejected(status, "render rejected the request", body=normalize_error_body(status, body))
     if status in UNSUPPORTED_STATUSES:
-        raise RenderUnavailable("unsupported", f"HTTP {status} on {request.api.render_path}")
+        raise RenderUnavailable("unsupported", f"HTTP {status} on {request.endpoint}/render")
     if status != 200:
         raise RenderUnavailable("unavailable", f"HTTP {status}")
     try:

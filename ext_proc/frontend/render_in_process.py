@@ -8,6 +8,8 @@ Loading imports vLLM and reads the model's config: seconds, once at start-up."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,10 +22,37 @@ from ext_proc.frontend import render_parser_cache, render_prefix_cache
 from ext_proc.frontend.render import rendered, tokenized
 from ext_proc.frontend.render_parser_cache import ReusedParsers
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache
-from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, TokenizedRequest
 from render_sidecar.launch import model_flags
 
 log = logging.getLogger("tito.render")
+
+
+@dataclass(frozen=True)
+class RenderRoute:
+    """One route of vLLM's render server: the request model its body is validated with, and
+    the `ServingRender` call that renders it (serving, parsed body, HTTP request)."""
+
+    model: Callable[[], Any]
+    render: Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+def _chat_model() -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest
+
+
+def _completion_model() -> Any:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+_CHAT = RenderRoute(_chat_model, lambda serving, parsed, caller: serving.render_chat_request(parsed, caller))
+_COMPLETIONS = RenderRoute(
+    _completion_model, lambda serving, parsed, caller: serving.render_completion_request(parsed, caller)
+)
 
 
 class InProcessRender:
@@ -38,6 +67,7 @@ class InProcessRender:
         self._args = args
         self.prefix_cache = prefix_cache  # token ids per piece of chat text (None: off)
         self.parsers = parsers  # parsers built once per distinct construction (None: off)
+        self.routes: dict[str, RenderRoute] = {Pipeline.CHAT.value: _CHAT, Pipeline.COMPLETIONS.value: _COMPLETIONS}
 
     @classmethod
     async def load(
@@ -75,46 +105,43 @@ class InProcessRender:
         parsers = render_parser_cache.install(serving.online_renderer) if reuse_parsers else None
         return cls(serving, args, cache, parsers)
 
+    def serve(self, endpoint: str, route: RenderRoute) -> None:
+        """Render the bodies of `endpoint` as vLLM's render server does at `endpoint + /render`
+        (chat and completions are built in; a client API room adds its own)."""
+        self.routes[endpoint] = route
+
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
-        status, answer = await self._result(request.api, raw, request_id)
+        status, answer = await self._result(request.endpoint, raw, request_id)
         if isinstance(answer, bytes):
             return rendered(request, status, answer)
         # vLLM's GenerateRequest(s) as the JSON the sidecar would send, without writing and
         # parsing that JSON (0.2 ms per request)
         return tokenized(request, _dumped(answer, mode="json"))
 
-    async def _answer(self, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, bytes]:
+    async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
         """(status, body) as the sidecar's route would answer."""
         from fastapi.responses import JSONResponse
 
-        status, answer = await self._result(api, raw, request_id)
+        status, answer = await self._result(endpoint, raw, request_id)
         if isinstance(answer, bytes):
             return status, answer
         return status, bytes(JSONResponse(content=_dumped(answer, mode="python")).body)
 
-    async def _result(self, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, Any]:
+    async def _result(self, endpoint: str, raw: bytes, request_id: str) -> tuple[int, Any]:
         """(status, error body) as the sidecar's route would answer, or (200, what vLLM rendered)."""
         from fastapi.responses import JSONResponse
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        model: Any = {ApiKind.CHAT: ChatCompletionRequest, ApiKind.COMPLETIONS: CompletionRequest}.get(
-            api, ResponsesRequest
-        )
+        route = self.routes.get(endpoint)
+        if route is None:  # as the sidecar answers a route it does not serve
+            return 404, b'{"detail":"Not Found"}'
         try:
-            parsed = model.model_validate(orjson.loads(raw))
+            parsed = route.model().model_validate(orjson.loads(raw))
         except ValidationError as exc:
             return await self._invalid(exc)
         caller = self._caller(request_id)
         try:
-            if api is ApiKind.CHAT:
-                result: Any = await self._serving.render_chat_request(parsed, caller)
-            elif api is ApiKind.COMPLETIONS:
-                result = await self._serving.render_completion_request(parsed, caller)
-            else:  # the stateless Responses render takes no HTTP request (its id is the body's)
-                result = await self._serving.render_responses_request(parsed)
+            result: Any = await route.render(self._serving, parsed, caller)
         except Exception as exc:  # what the sidecar's exception handlers answer (400 for bad input)
             from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
 

@@ -33,7 +33,7 @@ import orjson
 from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache
 from ext_proc.observability.request import current
-from ext_proc.protocol import ApiKind, OpenAIRequest, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, TokenizedRequest
 from scheduler import BreakerConfig, BreakerState, CircuitBreaker
 
 log = logging.getLogger("tito.render")
@@ -232,7 +232,7 @@ class RenderPool:
         meanwhile may try the endpoint too, rather than fall back to the local tokenizer."""
         if not member.breaker.allows(self._clock()):
             return False
-        request = OpenAIRequest(ApiKind.COMPLETIONS, orjson.loads(self._probe_body))
+        request = OpenAIRequest(Pipeline.COMPLETIONS, orjson.loads(self._probe_body))
         try:
             await member.renderer.render(request, self._probe_body, HEALTH_REQUEST_ID)
         except (RenderUnavailable, RenderRejected) as exc:

@@ -22,7 +22,7 @@ from ext_proc.frontend.render import RenderUnavailable
 from ext_proc.frontend.render_pool import RenderPool
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import current
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 log = logging.getLogger("tito.tokenization")
 
@@ -65,7 +65,7 @@ class LocalTokenizer:
 
     def _template_kwargs(self, request: OpenAIRequest) -> dict[str, Any]:
         """The client's chat-template kwargs vLLM would accept; a client template is a 400."""
-        if request.api is not ApiKind.CHAT:
+        if request.api is not Pipeline.CHAT:
             return {}
         kwargs = request.body.get("chat_template_kwargs") or {}
         if request.body.get("chat_template") is not None or (
@@ -97,7 +97,7 @@ class LocalTokenizer:
 
     def _encode(self, request: OpenAIRequest, template_kwargs: dict[str, Any]) -> list[int]:
         body = request.body
-        if request.api is ApiKind.CHAT:
+        if request.api is Pipeline.CHAT:
             ids = self._tokenizer.apply_chat_template(
                 body["messages"],
                 tools=body.get("tools"),
@@ -142,8 +142,8 @@ class TokenizationService:
                 record.rendered(started, "refused", reason)
             message = f"render is unavailable ({reason}) and token obfuscation allows no fallback"
             raise GatewayError(503, message, code="render_unavailable")
-        try:  # (a Responses request has no local rendering: its engine renders it natively)
-            ids = [] if request.api is ApiKind.RESPONSES else await self.local.token_ids(request)
+        try:  # (a body only its own endpoint reads has no local rendering: its engine renders it natively)
+            ids = [] if request.path is not None else await self.local.token_ids(request)
         except GatewayError:  # the request itself is refused (a client chat template)
             raise
         except Exception as exc:  # noqa: BLE001 - no ids is still a servable request (native path)
@@ -151,7 +151,7 @@ class TokenizationService:
             ids = []
         if record is not None:
             record.rendered(started, "local_tokenizer", reason)
-        prefix = "chatcmpl-" if request.api is ApiKind.CHAT else "cmpl-"
+        prefix = "chatcmpl-" if request.api is Pipeline.CHAT else "cmpl-"
         return TokenizedRequest(request, prefix + request_id, [PromptTokens(ids)], tokenizer_source="local")
 
     def snapshot(self) -> dict[str, Any]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.openai_api import requested_completion_tokens
 from ext_proc.frontend.token_only import requested_max_tokens
-from ext_proc.protocol import PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import ContextOverflow, Role, clamp_max_tokens
 
 PREFILL_MAX_TOKENS = 1  # a prefill leg computes the prompt's KV and one token
@@ -30,3 +29,12 @@ def leg_max_tokens(config: TitoConfig, tokenized: TokenizedRequest, prompt: Prom
         return clamp_max_tokens(prompt_len, max_tokens, config.model.max_model_len)
     except ContextOverflow as exc:
         raise GatewayError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+
+
+def requested_completion_tokens(request: OpenAIRequest, remaining_context: int) -> int:
+    """The completion limit a native engine will apply: the request's, else the rest of the context."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.body.get(key)
+        if isinstance(value, int) and value > 0:
+            return min(value, max(remaining_context, 1))
+    return max(remaining_context, 1)

@@ -22,17 +22,14 @@ import orjson
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.anthropic_messages import count_tokens_body
 from ext_proc.frontend.model_catalog import ModelCatalog, not_found
-from ext_proc.frontend.openai_api import native_body, parse_request
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.frontend.tokenization import TokenizationService
-from ext_proc.model_files import vocab_size
 from ext_proc.observability.request import current
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
 from ext_proc.planning.stream_interval import stream_interval
-from ext_proc.protocol import Adapter, ApiFamily, ApiKind, Conversion, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
@@ -65,40 +62,31 @@ class Planner:
 
     def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
         """501 for a POST with token obfuscation on: what the gateway does not render
-        (`/v1/responses`, ...) an engine would tokenize itself, in plaintext."""
+        (an engine's own routes) an engine would tokenize itself, in plaintext."""
         if headers.get(":method") == "POST" and self._config.obfuscation.enable:
             return GatewayError(501, "not available with token obfuscation on", code="unsupported_with_obfuscation")
         return None
 
-    async def plan(
-        self,
-        api: ApiKind,
-        body: dict[str, Any],
-        raw: bytes,
-        request_id: str,
-        family: ApiFamily = ApiFamily.OPENAI,
-        conversion: Conversion | None = None,
-        inside: Callable[[TokenizedRequest], TokenizedRequest] | None = None,
-    ) -> Plan:
-        """`body`: `raw` parsed (a JSON object), whose `model` is this planner's base model's.
-        `inside`: the rendered request as the one the gateway serves (Responses: completions;
-        a native leg then gets that request too)."""
+    async def plan(self, request: OpenAIRequest, raw: bytes, request_id: str) -> Plan:
+        """A client API's request (its room parsed `raw` into it, for this planner's base
+        model) rendered and placed; what is refused on the way is answered locally."""
         try:
-            model = self._config.model
-            request = parse_request(api, body, self.catalog, vocab_size(model.path), family, conversion)
-            if self._config.derender.mode == "sidecar":
-                _refuse_what_the_sidecar_cannot_derender(request)
-            if (record := current()) is not None:  # admission, metrics and stage lines per model
-                record.resolved(request.response_model(model.served_name))
-            self._check_adapter(request.adapter)
-            tokenized = with_adapter(
-                await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)
-            )
-            if inside is not None and tokenized.complete:
-                tokenized = inside(tokenized)
-                raw = orjson.dumps(tokenized.request.body)
+            tokenized = await self.rendered(request, raw, request_id)
         except GatewayError as error:
             return Local(error.status, error.body)
+        return await self.placed(tokenized, raw)
+
+    async def rendered(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        """The request's prompts (GatewayError: refused before anything is admitted)."""
+        if self._config.derender.mode == "sidecar":
+            _refuse_what_the_sidecar_cannot_derender(request)
+        self._resolved(request)
+        self._check_adapter(request.adapter)
+        return with_adapter(await self._tokenization.tokenize(request, self._as_base(request, raw), request_id))
+
+    async def placed(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
+        """A rendered request admitted and placed (`raw`: its body, for a native leg); what
+        cannot be placed is answered locally and takes nothing."""
         record, started = current(), time.perf_counter()
         try:
             plan = await self._load_adapter(self.place(tokenized, raw), tokenized.request.adapter)
@@ -110,17 +98,16 @@ class Planner:
             record.scheduled(started, tokenized.prompt_tokens)
         return plan
 
-    async def count_tokens(self, body: dict[str, Any], raw: bytes, request_id: str) -> Local:
-        """A Messages `count_tokens` request (its chat request): the prompt's ids, from render
-        alone, as native counts them; nothing is admitted or sent to an engine."""
-        try:
-            request = parse_request(ApiKind.CHAT, body, self.catalog, None, ApiFamily.MESSAGES)
-            if (record := current()) is not None:
-                record.resolved(request.response_model(self._config.model.served_name))
-            tokenized = await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)
-        except GatewayError as error:
-            return Local(error.status, error.body)
-        return Local(200, count_tokens_body(tokenized.prompt_tokens))
+    async def counted(self, request: OpenAIRequest, raw: bytes, request_id: str) -> int:
+        """The prompt's token count, from render alone, as native counts it: nothing is
+        admitted or sent to an engine (GatewayError: refused)."""
+        self._resolved(request)
+        return (await self._tokenization.tokenize(request, self._as_base(request, raw), request_id)).prompt_tokens
+
+    def _resolved(self, request: OpenAIRequest) -> None:
+        """Admission, metrics and stage lines are per model from here on."""
+        if (record := current()) is not None:
+            record.resolved(request.response_model(self._config.model.served_name))
 
     def _check_adapter(self, adapter: Adapter | None) -> None:
         """An adapter no instance lists: `lora.on_missing` says whether it is routed anyway
@@ -198,7 +185,7 @@ class Planner:
                 self.finish(decision.request_id)
                 raise token_only_required(decision.instance.address)
             request = tokenized.request.on_native_route()
-            body = native_body(request, raw) if request is tokenized.request else orjson.dumps(request.engine_body())
+            body = request.engine_bytes(raw) if request is tokenized.request else orjson.dumps(request.engine_body())
             return Native(request, body, decision.request_id, decision.hosts)
         prompt = tokenized.prompts[0]
         leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)

@@ -35,7 +35,7 @@ import orjson
 from ext_proc.config import LocalStackConfig, ModelConfig, RenderConfig, RenderEndpoint
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.render_pool import RenderPool, pool_member
-from ext_proc.protocol import ApiKind, OpenAIRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest
 from ext_proc.tools.local_stack import OFFLINE, ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command
@@ -97,7 +97,7 @@ async def drive(renderer: Renderer, bodies: list[bytes], concurrency: int) -> Ru
         while queue:
             raw = queue.pop()
             started = time.perf_counter()
-            await renderer.render(OpenAIRequest(ApiKind.CHAT, orjson.loads(raw)), raw, "bench")
+            await renderer.render(OpenAIRequest(Pipeline.CHAT, orjson.loads(raw)), raw, "bench")
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -186,7 +186,7 @@ async def in_process(model: ModelConfig, options: argparse.Namespace) -> list[st
 
     def render_with(renderer: InProcessRender) -> Callable[[bytes], Awaitable[Any]]:
         async def render(raw: bytes) -> Any:
-            return await renderer.render(OpenAIRequest(ApiKind.CHAT, orjson.loads(raw)), raw, "bench")
+            return await renderer.render(OpenAIRequest(Pipeline.CHAT, orjson.loads(raw)), raw, "bench")
 
         return render
 

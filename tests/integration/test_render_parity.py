@@ -15,26 +15,26 @@ import pytest
 
 from ext_proc.frontend.render import RenderRejected, rendered
 from ext_proc.frontend.render_in_process import InProcessRender
-from ext_proc.protocol import ApiKind, OpenAIRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline
 from tests.conftest import RunningStack
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CHAT: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in 東京? 🐉"}]}
-CASES: dict[str, tuple[ApiKind, Any]] = {
-    "chat": (ApiKind.CHAT, {**CHAT, "max_tokens": 8, "stream": True, "seed": 3}),
+CASES: dict[str, tuple[Pipeline, Any]] = {
+    "chat": (Pipeline.CHAT, {**CHAT, "max_tokens": 8, "stream": True, "seed": 3}),
     "chat-tools-thinking-off": (
-        ApiKind.CHAT,
+        Pipeline.CHAT,
         {**CHAT, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}, "logprobs": True},
     ),
-    "chat-structured": (ApiKind.CHAT, {**CHAT, "structured_outputs": {"regex": "[a-z]{3}"}, "n": 2}),
-    "chat-no-max-tokens": (ApiKind.CHAT, {**CHAT, "stop": ["."], "temperature": 0}),
-    "completions": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": "Once upon", "max_tokens": 5, "echo": True}),
-    "completions-batch": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": ["one", "two two"], "logprobs": 2}),
-    "completions-ids": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": [5, 6, 7], "min_tokens": 2}),
-    "invalid-field": (ApiKind.CHAT, {**CHAT, "temperature": "hot"}),
-    "invalid-messages": (ApiKind.CHAT, {"model": "tiny", "messages": "hi"}),
-    "unknown-model": (ApiKind.COMPLETIONS, {"model": "nope", "prompt": "x"}),
-    "too-long": (ApiKind.COMPLETIONS, {"model": "tiny", "prompt": "hi " * 3000}),
+    "chat-structured": (Pipeline.CHAT, {**CHAT, "structured_outputs": {"regex": "[a-z]{3}"}, "n": 2}),
+    "chat-no-max-tokens": (Pipeline.CHAT, {**CHAT, "stop": ["."], "temperature": 0}),
+    "completions": (Pipeline.COMPLETIONS, {"model": "tiny", "prompt": "Once upon", "max_tokens": 5, "echo": True}),
+    "completions-batch": (Pipeline.COMPLETIONS, {"model": "tiny", "prompt": ["one", "two two"], "logprobs": 2}),
+    "completions-ids": (Pipeline.COMPLETIONS, {"model": "tiny", "prompt": [5, 6, 7], "min_tokens": 2}),
+    "invalid-field": (Pipeline.CHAT, {**CHAT, "temperature": "hot"}),
+    "invalid-messages": (Pipeline.CHAT, {"model": "tiny", "messages": "hi"}),
+    "unknown-model": (Pipeline.COMPLETIONS, {"model": "nope", "prompt": "x"}),
+    "too-long": (Pipeline.COMPLETIONS, {"model": "tiny", "prompt": "hi " * 3000}),
 }
 
 
@@ -44,9 +44,9 @@ def in_process(stack: RunningStack) -> Iterator[InProcessRender]:
     yield asyncio.run(InProcessRender.load(model))
 
 
-def _sidecar(stack: RunningStack, api: ApiKind, raw: bytes, request_id: str) -> tuple[int, bytes]:
+def _sidecar(stack: RunningStack, api: Pipeline, raw: bytes, request_id: str) -> tuple[int, bytes]:
     response = httpx.post(
-        stack.config.render_config.endpoint.url + api.render_path,
+        stack.config.render_config.endpoint.url + api.value + "/render",
         content=raw,
         headers={"content-type": "application/json", "x-request-id": request_id},
         timeout=30,
@@ -62,7 +62,7 @@ def test_in_process_render_answers_what_the_sidecar_answers(
     api, body = CASES[case]
     raw = orjson.dumps(body)
     sidecar = _sidecar(stack, api, raw, "parity-1")
-    local = asyncio.run(in_process._answer(api, raw, "parity-1"))
+    local = asyncio.run(in_process._answer(api.value, raw, "parity-1"))
     assert local[0] == sidecar[0]
     assert orjson.loads(local[1]) == orjson.loads(sidecar[1])
     request = OpenAIRequest(api, body)

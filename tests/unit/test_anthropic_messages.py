@@ -1,4 +1,4 @@
-"""Anthropic Messages over chat (ext_proc/frontend/anthropic_messages.py): the stream converter
+"""Anthropic Messages over chat (ext_proc.api.messages.py): the stream converter
 stepped by hand gives exactly what vLLM's converter gives when native serving drives it, for
 any chat stream and however its events are grouped; whole answers and errors as native's
 route makes them."""
@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
+from ext_proc.api.messages import MessagesFrontend, MessagesStream, anthropic_error, messages_whole
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.anthropic_messages import MessagesFrontend, MessagesStream, anthropic_error, messages_whole
 from tests.conftest import missing
 
 
@@ -204,7 +204,7 @@ async def _outs(handler: Any, trailers: bool = False) -> list[Any]:
 
 
 def test_the_messages_response_converts_streams_whole_answers_and_errors() -> None:
-    from ext_proc.frontend.anthropic_messages import MESSAGES
+    from ext_proc.api.messages import MESSAGES
     from ext_proc.response_handlers import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(1)))
@@ -304,7 +304,7 @@ def test_an_answer_left_mid_stream_is_closed_not_left_for_asyncio_to_fail_on(clo
     generator is already running", logged as an error): the control shows it."""
     import gc
 
-    from ext_proc.frontend.anthropic_messages import MESSAGES
+    from ext_proc.api.messages import MESSAGES
     from ext_proc.response_handlers import Chunk, ConvertedResponse, Head
 
     sse = b"".join(b"data: " + p + b"\n\n" for p in chat_stream(random.Random(2))[:3])

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -200,7 +200,7 @@ class _Output:
 
 @dataclass
 class _Case:
-    api: ApiKind
+    api: Pipeline
     body: dict[str, Any]
     prompt_ids: list[int]
     outputs: list[_Output]  # one per choice (n)
@@ -317,7 +317,7 @@ def _chat_case(rng: random.Random, env: _Env) -> _Case:
     if rng.random() < 0.1:
         body["stop"] = _stop_strings(rng, env, outputs[0])
     _common_options(rng, env, body, outputs)
-    return _Case(ApiKind.CHAT, body, env.encode(HEADER + suffix), outputs, rng.randrange(2**32))
+    return _Case(Pipeline.CHAT, body, env.encode(HEADER + suffix), outputs, rng.randrange(2**32))
 
 
 def _completion_case(rng: random.Random, env: _Env) -> _Case:
@@ -331,7 +331,7 @@ def _completion_case(rng: random.Random, env: _Env) -> _Case:
             body["min_tokens"] = rng.randint(1, 8)
     _common_options(rng, env, body, outputs)
     prompt = HEADER if rng.random() < 0.5 else "hi"
-    return _Case(ApiKind.COMPLETIONS, body, env.encode(prompt), outputs, rng.randrange(2**32))
+    return _Case(Pipeline.COMPLETIONS, body, env.encode(prompt), outputs, rng.randrange(2**32))
 
 
 # -- native: vLLM's output processor and serving generators -----------------------------------
@@ -343,7 +343,7 @@ def _native_request(env: _Env, case: _Case) -> tuple[ChatCompletionRequest | Com
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    if case.api is ApiKind.COMPLETIONS:
+    if case.api is Pipeline.COMPLETIONS:
         completion = CompletionRequest.model_validate(case.body)
         return completion, _delta(completion.to_sampling_params(MAX_IDS + 1, {}))
     chat = ChatCompletionRequest.model_validate(case.body)
@@ -480,7 +480,7 @@ def _native(
 
 
 def _request_id(case: _Case) -> str:
-    return "chatcmpl-fuzz" if case.api is ApiKind.CHAT else "cmpl-fuzz"
+    return "chatcmpl-fuzz" if case.api is Pipeline.CHAT else "cmpl-fuzz"
 
 
 # -- the gateway: generate events through `stream_session` ------------------------------------
@@ -589,7 +589,7 @@ class _ToolCall:
         }
 
 
-def _summary(api: ApiKind, chunks: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(api: Pipeline, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per choice: what a client assembles from the stream."""
     choices: dict[int, dict[str, Any]] = {}
     usage = None
@@ -616,7 +616,7 @@ def _summary(api: ApiKind, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                 s["finish"].append(c["finish_reason"])
                 s["stop_reason"] = c.get("stop_reason")
                 s["finish_usage"] = chunk.get("usage")  # continuous usage stats
-            if api is ApiKind.COMPLETIONS:
+            if api is Pipeline.COMPLETIONS:
                 s["text"] += c.get("text") or ""
                 continue
             delta = c.get("delta") or {}
@@ -655,7 +655,7 @@ def _wire(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _coverage(api: ApiKind, env: _Env, case: _Case, events: list[dict[str, Any]], native: dict[str, Any]) -> set[str]:
+def _coverage(api: Pipeline, env: _Env, case: _Case, events: list[dict[str, Any]], native: dict[str, Any]) -> set[str]:
     """What this case exercised (so that the generator cannot silently stop making the hard
     cases)."""
     ids = [t for o in case.outputs for t in [t for step in o.steps for t in step][:-1]]  # all but the last
@@ -669,19 +669,19 @@ def _coverage(api: ApiKind, env: _Env, case: _Case, events: list[dict[str, Any]]
         "chunks compared exactly": all(size == 1 for size in case.grouping),
         "length": any(o.finish_reason == "length" for o in case.outputs),
     }
-    if api is ApiKind.CHAT:
+    if api is Pipeline.CHAT:
         hit["tool calls"] = any(c["tools"] for c in native["choices"].values())
         hit["reasoning"] = any(c["reasoning"] for c in native["choices"].values())
         hit["content"] = any(c["content"] for c in native["choices"].values())
     return {name for name, yes in hit.items() if yes}
 
 
-def _fuzz(env: _Env, api: ApiKind, count: int, seed: int) -> None:
+def _fuzz(env: _Env, api: Pipeline, count: int, seed: int) -> None:
     rng = random.Random(seed)
     failures: list[str] = []
     covered: dict[str, int] = {}
     for n in range(count):
-        case = _chat_case(rng, env) if api is ApiKind.CHAT else _completion_case(rng, env)
+        case = _chat_case(rng, env) if api is Pipeline.CHAT else _completion_case(rng, env)
         request, params = _native_request(env, case)
         outputs = _request_outputs(env, case, params)
         include_usage = bool((case.body.get("stream_options") or {}).get("include_usage"))
@@ -704,19 +704,19 @@ def _fuzz(env: _Env, api: ApiKind, count: int, seed: int) -> None:
         for name in _coverage(api, env, case, events, native):
             covered[name] = covered.get(name, 0) + 1
     assert not failures, f"{len(failures)}/{count} {api.value} sequences differ (seed {seed}); first:\n{failures[0]}"
-    kinds = 10 if api is ApiKind.CHAT else 7
+    kinds = 10 if api is Pipeline.CHAT else 7
     assert len(covered) == kinds and min(covered.values()) >= count // 50, f"too little covered: {covered}"
     print(f"{api.value}: {count} sequences, 0 differences; covered {covered}")
 
 
-def _fuzz_coalesced(env: _Env, api: ApiKind, count: int, seed: int) -> None:
+def _fuzz_coalesced(env: _Env, api: Pipeline, count: int, seed: int) -> None:
     """Native one token per step; the gateway gets the same output k tokens per event
     (`derender.stream_interval`) and splits them back into steps: the same answer."""
     rng = random.Random(seed)
     failures: list[str] = []
     tested = 0
     for n in range(count):
-        case = _chat_case(rng, env) if api is ApiKind.CHAT else _completion_case(rng, env)
+        case = _chat_case(rng, env) if api is Pipeline.CHAT else _completion_case(rng, env)
         k = rng.choice([2, 4, 16])
         request, params = _native_request(env, case)
         outputs = _request_outputs(env, case, params)
@@ -741,13 +741,13 @@ def _fuzz_coalesced(env: _Env, api: ApiKind, count: int, seed: int) -> None:
 
 
 def test_chat_stream_equals_native_serving(env: _Env) -> None:
-    _fuzz(env, ApiKind.CHAT, CHAT_SEQUENCES, SEED)
+    _fuzz(env, Pipeline.CHAT, CHAT_SEQUENCES, SEED)
 
 
 def test_completion_stream_equals_native_serving(env: _Env) -> None:
-    _fuzz(env, ApiKind.COMPLETIONS, COMPLETION_SEQUENCES, SEED + 1)
+    _fuzz(env, Pipeline.COMPLETIONS, COMPLETION_SEQUENCES, SEED + 1)
 
 
 def test_k_tokens_per_engine_event_split_back_equal_native_one_per_step(env: _Env) -> None:
-    _fuzz_coalesced(env, ApiKind.CHAT, CHAT_SEQUENCES // 2, SEED + 2)
-    _fuzz_coalesced(env, ApiKind.COMPLETIONS, COMPLETION_SEQUENCES // 2, SEED + 3)
+    _fuzz_coalesced(env, Pipeline.CHAT, CHAT_SEQUENCES // 2, SEED + 2)
+    _fuzz_coalesced(env, Pipeline.COMPLETIONS, COMPLETION_SEQUENCES // 2, SEED + 3)

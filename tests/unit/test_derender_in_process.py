@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 EOS = "<|im_end|>"
@@ -19,7 +19,7 @@ def model(derender_model: Any) -> Any:
     return derender_model
 
 
-def _request(model: Any, api: ApiKind, body: dict[str, Any], params: dict[str, Any] | None = None) -> TokenizedRequest:
+def _request(model: Any, api: Pipeline, body: dict[str, Any], params: dict[str, Any] | None = None) -> TokenizedRequest:
     body = {"model": "tiny", **body}
     prompt_ids = [int(t) for t in model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")]
     rendered = {"token_ids": prompt_ids, "sampling_params": params or {}, "request_id": "chatcmpl-t"}
@@ -63,7 +63,7 @@ def test_reasoning_content_and_eos_split_like_native(model: Any) -> None:
     """The qwen3 parser sees only new ids; the EOS that ended generation is never shown."""
     request = _request(
         model,
-        ApiKind.CHAT,
+        Pipeline.CHAT,
         {"messages": [{"role": "user", "content": "hi"}], "stream": True},
         {"skip_special_tokens": False},
     )
@@ -83,7 +83,7 @@ def test_a_streamed_tool_call_ends_with_finish_reason_tool_calls(model: Any) -> 
         "stream": True,
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    request = _request(model, Pipeline.CHAT, body, {"skip_special_tokens": False})
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🗼"}}\n</tool_call>'
     chunks = _stream(model, request, _events(_ids(model, call + EOS)))
     calls = [tc for c in chunks[1:] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
@@ -94,7 +94,7 @@ def test_a_streamed_tool_call_ends_with_finish_reason_tool_calls(model: Any) -> 
 
 def test_stop_string_is_held_back_then_cut(model: Any) -> None:
     """The engine stops on the token completing the stop string; no chunk ever shows it."""
-    request = _request(model, ApiKind.COMPLETIONS, {"prompt": "hi", "stream": True}, {"stop": ["STOP here"]})
+    request = _request(model, Pipeline.COMPLETIONS, {"prompt": "hi", "stream": True}, {"stop": ["STOP here"]})
     ids = _ids(model, "hello world STOP here")
     chunks = _stream(model, request, _events(ids, "stop", "STOP here"))
     texts = [c["choices"][0]["text"] for c in chunks]
@@ -105,7 +105,7 @@ def test_stop_string_is_held_back_then_cut(model: Any) -> None:
 
 def test_text_waiting_together_is_one_chunk_and_equal_text(model: Any) -> None:
     """Backpressure: events that arrived together become fewer chunks, same text."""
-    request = _request(model, ApiKind.COMPLETIONS, {"prompt": "hi", "stream": True})
+    request = _request(model, Pipeline.COMPLETIONS, {"prompt": "hi", "stream": True})
     events = _events(_ids(model, "one two three 🐉 four five"), "length")
     apart, together = _stream(model, request, events), _stream(model, request, events, together=True)
     text = "".join(c["choices"][0]["text"] for c in apart)
@@ -118,7 +118,7 @@ def test_whole_response_equals_the_stream(model: Any) -> None:
     from ext_proc.derender.in_process import derender_whole
 
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
-    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    request = _request(model, Pipeline.CHAT, body, {"skip_special_tokens": False})
     ids = _ids(
         model,
         "<think>\nhmm\n</think>\n\n" + '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' + EOS,
@@ -143,7 +143,7 @@ def _scored_prompt(ids: list[int]) -> list[Any]:
 def _echo_request(model: Any, prompt: str, body: dict[str, Any]) -> TokenizedRequest:
     rendered = {"token_ids": _ids(model, prompt), "sampling_params": {}, "request_id": "cmpl-t"}
     return TokenizedRequest(
-        OpenAIRequest(ApiKind.COMPLETIONS, {"model": "tiny", "prompt": prompt, **body}),
+        OpenAIRequest(Pipeline.COMPLETIONS, {"model": "tiny", "prompt": prompt, **body}),
         "cmpl-t",
         [PromptTokens.rendered(rendered)],
     )
@@ -189,7 +189,7 @@ def test_echo_without_logprobs_decodes_a_token_prompt(model: Any) -> None:
     ids = _ids(model, "Hello world")
     rendered = {"token_ids": ids, "sampling_params": {}, "request_id": "cmpl-t"}
     body = {"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 2}
-    request = TokenizedRequest(OpenAIRequest(ApiKind.COMPLETIONS, body), "cmpl-t", [PromptTokens.rendered(rendered)])
+    request = TokenizedRequest(OpenAIRequest(Pipeline.COMPLETIONS, body), "cmpl-t", [PromptTokens.rendered(rendered)])
     generate = {"choices": [{"index": 0, "token_ids": _ids(model, "!!"), "finish_reason": "length"}]}
     whole = orjson.loads(derender_whole(model, request, generate))["choices"][0]
     assert whole["text"] == "Hello world!!" and whole["logprobs"] is None and whole["prompt_logprobs"] is None
@@ -204,7 +204,7 @@ def test_chat_echo_repeats_the_continued_message_before_the_output(model: Any) -
         "logprobs": True,
         "stream": True,
     }
-    request = _request(model, ApiKind.CHAT, body, {"skip_special_tokens": False})
+    request = _request(model, Pipeline.CHAT, body, {"skip_special_tokens": False})
     ids = _ids(model, " a time")
     top = {"content": [{"token_id": ids[0], "logprob": -0.1, "rank": 1, "top_logprobs": []}]}
     events = [{"choices": [{"index": 0, "token_ids": ids[:1], "logprobs": top}]}]
@@ -237,7 +237,7 @@ def test_the_engines_cached_tokens_reach_the_final_usage_chunk(model: Any) -> No
         "completion_tokens": 1,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    chunks = _stream(model, _request(model, ApiKind.CHAT, body), [*_events(_ids(model, "hi")), {"usage": usage}])
+    chunks = _stream(model, _request(model, Pipeline.CHAT, body), [*_events(_ids(model, "hi")), {"usage": usage}])
     final = chunks[-1]["usage"]
     assert list(final) == [
         "prompt_tokens",

@@ -10,7 +10,7 @@ import pytest
 from ext_proc.derender.pipeline import StreamDerender, parse_event
 from ext_proc.derender.sidecar import DerenderClient, SidecarStream
 from ext_proc.errors import GatewayError
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
 
@@ -41,7 +41,7 @@ class FakeDerender:
 
 def _session(fake: FakeDerender, has_parser: bool = False) -> SidecarStream:
     fake.prompt_ids_every_call = has_parser
-    request = OpenAIRequest(ApiKind.CHAT, BODY)
+    request = OpenAIRequest(Pipeline.CHAT, BODY)
     prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
     tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
     client: DerenderClient = fake  # type: ignore[assignment]

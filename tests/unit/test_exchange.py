@@ -14,7 +14,8 @@ import orjson
 import pytest
 
 from ext_proc.byte_budget import ByteBudget
-from ext_proc.config import PublicRoute, TitoConfig
+from ext_proc.config import TitoConfig
+from ext_proc.config_edge import PublicRoute
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.fleet.http_client import CountingTransport
 from ext_proc.fleet.lora import AdapterLoader
@@ -186,7 +187,7 @@ async def test_local_plan_answers_a_bad_request(engines: Engines) -> None:
     services = _services(engines)
     exchange = Exchange(services)
     status, body = _local(await _run(exchange, _headers(), _body(b'{"model": "tiny", "messages": [')))
-    assert status == 400 and body["error"]["code"] == "invalid_json"
+    assert status == 400 and body["error"]["type"] == "Bad Request" and body["error"]["param"] == "body.31"  # native's
     await _closed(services, exchange)
 
 

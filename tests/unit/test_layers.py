@@ -8,6 +8,8 @@ pure: it imports nothing of ext_proc and no I/O or asyncio."""
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,6 +17,9 @@ LAYERS = [
     {
         "ext_proc",  # the package's __init__
         "ext_proc.config",
+        "ext_proc.config_section",
+        "ext_proc.config_edge",
+        "ext_proc.config_routing",
         "ext_proc.errors",
         "ext_proc.protocol",
         "ext_proc.model_files",
@@ -29,6 +34,7 @@ LAYERS = [
     {"ext_proc.planning"},
     {"ext_proc.fleet"},
     {"ext_proc.legs", "ext_proc.response_handlers"},
+    {"ext_proc.api"},
     {"ext_proc.services"},
     {"ext_proc.envoy_protocol"},
     {"ext_proc.server", "ext_proc.admin", "ext_proc.workers"},
@@ -80,3 +86,63 @@ def test_the_scheduler_is_pure() -> None:
 def test_the_envoy_adapter_holds_only_the_protocol() -> None:
     # The protocol, the plan's messages and what the request's record is told: nothing else.
     assert len((ROOT / "ext_proc/envoy_protocol/exchange.py").read_text().splitlines()) < 210
+
+
+# A client API family by name: Anthropic Messages, OpenAI Responses (chat and completions are
+# the pipelines every API feeds, so below the API room they are all there is).
+API_FAMILY = re.compile(r"[Aa]nthropic|ANTHROPIC|[Rr]esponses|RESPONSES|Messages|MESSAGES|count_tokens|ApiFamily")
+API_ROUTE = re.compile(r"/v1/(messages|responses)\b")
+# Outside the runtime's rooms: the API room itself, and the tools and CLI, which are clients of
+# every API (conformance, bench); the config's default route table (config_edge.py) names
+# handlers as data.
+NAMING_ALLOWED = ("ext_proc/api/", "ext_proc/tools/", "ext_proc/cli.py", "ext_proc/config.py", "ext_proc/config_edge.py")
+
+
+def _names(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Every name the code itself spells (no comments, no docstrings): identifiers, attributes,
+    definitions, arguments, imports, and string constants that are routes."""
+    prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.ImportFrom):
+            if (node.module or "").startswith(("ext_proc", "vllm")):  # (fastapi.responses: HTTP's)
+                yield node.lineno, node.module or ""
+            yield from ((node.lineno, alias.asname or alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.asname or alias.name) for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            yield node.lineno, node.value
+
+
+def _families(tree: ast.AST) -> list[tuple[int, str]]:
+    return [(line, name) for line, name in _names(tree) if API_FAMILY.search(name) or API_ROUTE.search(name)]
+
+
+def test_no_module_outside_the_api_room_names_an_api_family() -> None:
+    named = []
+    for path in sorted((ROOT / "ext_proc").rglob("*.py")):
+        relative = str(path.relative_to(ROOT))
+        if relative.startswith(NAMING_ALLOWED):
+            continue
+        tree = ast.parse(path.read_text())
+        named += [f"{relative}:{line} {name}" for line, name in _families(tree)]
+    assert named == []
+
+
+def test_api_family_names_are_found() -> None:
+    """The check above can fail: it finds each kind of name it looks for."""
+    code = "from ext_proc.anthropic import Y\nclass ResponsesThing: ...\nMESSAGES = '/v1/messages'\ndef f(count_tokens): ..."
+    assert {name for _, name in _families(ast.parse(code))} == {
+        "ext_proc.anthropic",
+        "ResponsesThing",
+        "MESSAGES",
+        "/v1/messages",
+        "count_tokens",
+    }

@@ -21,14 +21,16 @@ import orjson
 import pytest
 
 from ext_proc.frontend.token_only import generate_body
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 if TYPE_CHECKING:
+    from ext_proc.api.responses_answer import ResponsesServing
     from ext_proc.derender.model import DerenderModel
-    from ext_proc.derender.responses import ResponsesServing
 
 K = 2  # the client's k, as the conformance cases ask
 GREEDY = {"temperature": 0.0}
+RESPONSES = "responses"  # the client API served as completions once rendered
+Api = Pipeline | str  # a pipeline's own client, or RESPONSES
 MODES = ("in_process", "sidecar")
 
 
@@ -50,7 +52,7 @@ def env(plain_derender_model: Any) -> Iterator[_Env]:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    from ext_proc.derender.responses import ResponsesServing
+    from ext_proc.api.responses_answer import ResponsesServing
 
     model = plain_derender_model
     completion, chat = object.__new__(OpenAIServingCompletion), object.__new__(OpenAIServingChat)
@@ -134,11 +136,11 @@ def _asked(tokenized: TokenizedRequest) -> int:
 # -- native ----------------------------------------------------------------------------------
 
 
-def _native(env: _Env, api: ApiKind, positions: list[dict[int, Any]], sampled: list[int], k: int = K) -> list[Any]:
-    if api is ApiKind.CHAT:
+def _native(env: _Env, api: Api, positions: list[dict[int, Any]], sampled: list[int], k: int = K) -> list[Any]:
+    if api is Pipeline.CHAT:
         logprobs = env.chat._create_chat_logprobs(sampled, positions, env.tokenizer, k)
         return _chat_view(logprobs.model_dump(mode="json")["content"])
-    if api is ApiKind.COMPLETIONS:
+    if api is Pipeline.COMPLETIONS:
         logprobs = env.completion._create_completion_logprobs(sampled, positions, K, env.tokenizer)
         return _completion_view([logprobs.model_dump(mode="json")])
     logprobs = env.responses.serving._create_response_logprobs(sampled, positions, env.tokenizer, top_logprobs=K)
@@ -169,21 +171,22 @@ def _responses_view(logprobs: list[dict[str, Any]]) -> list[Any]:
 # -- the gateway -----------------------------------------------------------------------------
 
 
-def _request(env: _Env, api: ApiKind, params: dict[str, Any], stream: bool, k: int = K) -> TokenizedRequest:
+def _request(env: _Env, api: Api, params: dict[str, Any], stream: bool, k: int = K) -> TokenizedRequest:
     """A rendered request for k candidates, as the gateway serves it (Responses: as completions)."""
     prompt = [int(t) for t in env.tokenizer.encode("hi")]
     rendered = {"token_ids": prompt, "sampling_params": {"logprobs": k, **params}, "request_id": "t", "stream": stream}
     body: dict[str, Any] = {"model": "tiny", "stream": stream, **params}
-    if api is ApiKind.CHAT:
+    if api is Pipeline.CHAT:
         body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": k}
-    elif api is ApiKind.COMPLETIONS:
+    elif api is Pipeline.COMPLETIONS:
         body |= {"prompt": "hi", "logprobs": K}
     else:
         body |= {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": K}
-    tokenized = TokenizedRequest(OpenAIRequest(api, body), "t", [PromptTokens.rendered(rendered)])
-    if api is not ApiKind.RESPONSES:
-        return tokenized
-    from ext_proc.frontend.openai_responses import responses_request
+    if api is not RESPONSES:
+        return TokenizedRequest(OpenAIRequest(api, body), "t", [PromptTokens.rendered(rendered)])
+    request = OpenAIRequest(Pipeline.COMPLETIONS, body, path="/v1/responses")
+    tokenized = TokenizedRequest(request, "t", [PromptTokens.rendered(rendered)])
+    from ext_proc.api.responses import responses_request
 
     client = asyncio.run(responses_request(orjson.dumps(body), "t"))
     return env.responses.inside(tokenized, client)
@@ -206,7 +209,7 @@ class _VllmSidecar:
 
     async def call(self, path: str, body: bytes) -> dict[str, Any]:
         request = orjson.loads(body)
-        chat = path.startswith(ApiKind.CHAT.value)
+        chat = path.startswith(Pipeline.CHAT.value)
         if request.get("stream"):
             choices = request["generate_chunk"].get("choices") or []
             return {"chunk": {"choices": [self._choice(c, chat, "delta") for c in choices]}, "stream_state": {}}
@@ -246,7 +249,7 @@ def _gateway(env: _Env, tokenized: TokenizedRequest, generate: list[dict[str, An
             assert status == 200, body
             return _responses_view(orjson.loads(body)["output"][0]["content"][0]["logprobs"])
         chunks = [orjson.loads(whole)["choices"][0]["logprobs"]]
-    if tokenized.api is ApiKind.CHAT:
+    if tokenized.api is Pipeline.CHAT:
         return _chat_view([e for chunk in chunks for e in chunk["content"]])
     return _completion_view(chunks)
 
@@ -283,19 +286,19 @@ def _responses_stream_view(sse: bytes) -> list[Any]:
 
 # (api, rendered sampling params, derender mode): each client is shown the engine's first k
 # candidates (chat, Responses) or its whole dict for k (completions, the sampled token the
-# argmax). Responses derender in process in either mode (`pipeline.ByFamily`).
+# argmax). Responses derender in process in either mode (`OpenAIRequest.per_step`).
 EXACT = [
-    *(pytest.param(ApiKind.CHAT, {}, mode, id=f"chat-{mode}") for mode in MODES),
-    *(pytest.param(ApiKind.COMPLETIONS, GREEDY, mode, id=f"completions-greedy-{mode}") for mode in MODES),
-    pytest.param(ApiKind.RESPONSES, {}, "in_process", id="responses"),
-    pytest.param(ApiKind.RESPONSES, GREEDY, "in_process", id="responses-greedy"),
+    *(pytest.param(Pipeline.CHAT, {}, mode, id=f"chat-{mode}") for mode in MODES),
+    *(pytest.param(Pipeline.COMPLETIONS, GREEDY, mode, id=f"completions-greedy-{mode}") for mode in MODES),
+    pytest.param(RESPONSES, {}, "in_process", id="responses"),
+    pytest.param(RESPONSES, GREEDY, "in_process", id="responses-greedy"),
 ]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize(("api", "params", "mode"), EXACT)
 def test_tied_candidates_come_in_the_engines_order_as_natively(
-    env: _Env, api: ApiKind, params: dict[str, Any], mode: str, stream: bool
+    env: _Env, api: Api, params: dict[str, Any], mode: str, stream: bool
 ) -> None:
     rows = _rows(env)
     sampled = _greedy(rows) if params else [env.ids[12], env.ids[1], env.ids[13], env.ids[0]]
@@ -315,24 +318,24 @@ def test_chat_logprobs_without_top_logprobs_show_no_candidate_as_natively(env: _
     sampled = [env.ids[12], env.ids[1], env.ids[13], env.ids[0]]
     generate = _generate(_engine(env, rows, sampled, 0, 0), sampled, 0)
     assert all(len(entry["top_logprobs"]) == 1 for entry in generate)
-    native = _native(env, ApiKind.CHAT, _engine(env, rows, sampled, 0, 0), sampled, k=0)
-    assert _gateway(env, _request(env, ApiKind.CHAT, {}, stream, k=0), generate, mode) == native
+    native = _native(env, Pipeline.CHAT, _engine(env, rows, sampled, 0, 0), sampled, k=0)
+    assert _gateway(env, _request(env, Pipeline.CHAT, {}, stream, k=0), generate, mode) == native
 
 
 @pytest.mark.parametrize(
     ("api", "params", "asked"),
     [
-        pytest.param(ApiKind.CHAT, {}, K, id="chat"),
-        pytest.param(ApiKind.RESPONSES, {}, K, id="responses"),
-        pytest.param(ApiKind.COMPLETIONS, GREEDY, K, id="completions-greedy"),
-        pytest.param(ApiKind.COMPLETIONS, {}, K + 1, id="completions-sampled"),
-        pytest.param(ApiKind.COMPLETIONS, {**GREEDY, "logit_bias": {"5": 9}}, K + 1, id="completions-biased"),
-        pytest.param(ApiKind.COMPLETIONS, {**GREEDY, "repetition_penalty": 1.2}, K + 1, id="completions-penalty"),
-        pytest.param(ApiKind.COMPLETIONS, {**GREEDY, "min_tokens": 3}, K + 1, id="completions-min-tokens"),
+        pytest.param(Pipeline.CHAT, {}, K, id="chat"),
+        pytest.param(RESPONSES, {}, K, id="responses"),
+        pytest.param(Pipeline.COMPLETIONS, GREEDY, K, id="completions-greedy"),
+        pytest.param(Pipeline.COMPLETIONS, {}, K + 1, id="completions-sampled"),
+        pytest.param(Pipeline.COMPLETIONS, {**GREEDY, "logit_bias": {"5": 9}}, K + 1, id="completions-biased"),
+        pytest.param(Pipeline.COMPLETIONS, {**GREEDY, "repetition_penalty": 1.2}, K + 1, id="completions-penalty"),
+        pytest.param(Pipeline.COMPLETIONS, {**GREEDY, "min_tokens": 3}, K + 1, id="completions-min-tokens"),
     ],
 )
 def test_the_engine_is_asked_for_the_clients_k_unless_completions_may_show_one_more(
-    env: _Env, api: ApiKind, params: dict[str, Any], asked: int
+    env: _Env, api: Api, params: dict[str, Any], asked: int
 ) -> None:
     """Completions show the sampled token beside the top k; where it may rank below k (any
     sampling, or a greedy token something steers off the raw argmax) generate would cut the
@@ -342,7 +345,7 @@ def test_the_engine_is_asked_for_the_clients_k_unless_completions_may_show_one_m
 
 @pytest.mark.parametrize("k", [0, -1, 20])
 def test_completions_ask_k_where_nothing_can_be_cut_or_no_more_may_be_asked(env: _Env, k: int) -> None:
-    tokenized = _request(env, ApiKind.COMPLETIONS, {}, stream=False)
+    tokenized = _request(env, Pipeline.COMPLETIONS, {}, stream=False)
     assert tokenized.prompts[0].generate_request is not None
     tokenized.prompts[0].generate_request["sampling_params"]["logprobs"] = k
     assert _asked(tokenized) == k
@@ -359,10 +362,10 @@ def test_sampled_completions_miss_no_candidate_and_order_ties_as_a_native_batch_
     as many candidates, tied ones possibly in another order."""
     rows = _rows(env)
     sampled = [env.ids[12], env.ids[1], env.ids[13], env.ids[0]]  # two below the top k
-    tokenized = _request(env, ApiKind.COMPLETIONS, {}, stream)
+    tokenized = _request(env, Pipeline.COMPLETIONS, {}, stream)
     asked = _asked(tokenized)
     gateway = _gateway(env, tokenized, _generate(_engine(env, rows, sampled, asked, asked), sampled, asked), mode)
-    assert gateway == _native(env, ApiKind.COMPLETIONS, _engine(env, rows, sampled, K + 1, K), sampled)
-    alone = _native(env, ApiKind.COMPLETIONS, _engine(env, rows, sampled, K, K), sampled)
+    assert gateway == _native(env, Pipeline.COMPLETIONS, _engine(env, rows, sampled, K + 1, K), sampled)
+    alone = _native(env, Pipeline.COMPLETIONS, _engine(env, rows, sampled, K, K), sampled)
     assert [[lp for _, lp in top] for _, _, top, _ in gateway] == [[lp for _, lp in top] for _, _, top, _ in alone]
     assert K + 1 in [len(top) for _, _, top, _ in gateway]  # where generate asked for k cuts one

@@ -12,7 +12,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, build_codec
 from ext_proc.planning.planner import Planner
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.server import build_scheduler
 
 VOCAB = 1000
@@ -155,7 +155,7 @@ def test_the_prefix_index_is_keyed_on_physical_ids() -> None:
     rendered = {"token_ids": semantic, "sampling_params": {"max_tokens": 4}, "request_id": "cmpl-1"}
     prompt = TokenCodec(permutation()).prompt(PromptTokens.rendered(rendered))
     body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
-    tokenized = TokenizedRequest(OpenAIRequest(ApiKind.COMPLETIONS, body), "cmpl-1", [prompt])
+    tokenized = TokenizedRequest(OpenAIRequest(Pipeline.COMPLETIONS, body), "cmpl-1", [prompt])
     plan = planner.place(tokenized, b"{}")
     index = planner.scheduler.prefix_index
     assert index.match(index.hashes(prompt.engine_ids)) == {"127.0.0.1:8200": 4}  # blocks of 16

@@ -1,4 +1,4 @@
-"""OpenAI Responses over completions (ext_proc/derender/responses.py): vLLM's Responses stream
+"""OpenAI Responses over completions (ext_proc.api.responses_answer.py): vLLM's Responses stream
 generator stepped by hand over a completions stream gives exactly what it gives when native
 serving drives it with the engine's outputs, however the chunks are grouped; the whole answer
 is native's; the request front refuses what native refuses without a store; output logprobs
@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from ext_proc.errors import GatewayError
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 PIECES = ["<think>", "Hm,", " so", "</think>", "Hello", " there", "\n", "<tool_call>", "🐉"]
@@ -24,13 +24,13 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 @pytest.fixture(scope="module")
 def serving(derender_model: Any) -> Any:
-    from ext_proc.derender.responses import ResponsesServing
+    from ext_proc.api.responses_answer import ResponsesServing
 
     return ResponsesServing(derender_model, 2048)
 
 
 def _client(body: dict[str, Any]) -> Any:
-    from ext_proc.frontend.openai_responses import responses_request
+    from ext_proc.api.responses import responses_request
 
     return asyncio.run(responses_request(orjson.dumps({"model": "tiny", "input": "hi", **body}), "t"))
 
@@ -40,7 +40,7 @@ def _inside(serving: Any, client: Any, stream: bool, sampling: dict[str, Any] | 
     params = sampling or {"max_tokens": 50}
     rendered = {"token_ids": ids, "sampling_params": params, "request_id": client.request_id}
     rendered["stream"] = stream
-    request = OpenAIRequest(ApiKind.RESPONSES, {"model": "tiny", "input": "hi"})
+    request = OpenAIRequest(Pipeline.COMPLETIONS, {"model": "tiny", "input": "hi"}, path="/v1/responses")
     return serving.inside(TokenizedRequest(request, client.request_id, [PromptTokens.rendered(rendered)]), client)
 
 
@@ -151,7 +151,7 @@ def test_an_error_ends_the_stream_with_an_error_event(serving: Any) -> None:
 def test_the_completions_request_inside_carries_renders_params_and_asks_for_usage(serving: Any) -> None:
     client = _client({"stream": True})
     tokenized = _inside(serving, client, stream=True)
-    assert tokenized.request.api is ApiKind.COMPLETIONS
+    assert tokenized.request.api is Pipeline.COMPLETIONS
     body = tokenized.request.body
     assert body["prompt"] == tokenized.prompts[0].token_ids and body["max_tokens"] == 50
     assert body["return_token_ids"] and body["stream_options"] == {"include_usage": True}

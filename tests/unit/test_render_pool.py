@@ -12,7 +12,7 @@ import pytest
 
 from ext_proc.frontend.render import RenderRejected, RenderUnavailable
 from ext_proc.frontend.render_pool import RenderPool, pool_member
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -50,7 +50,7 @@ def _pool(*endpoints: Scripted, clock: Clock | None = None, budget_ms: float = 1
 
 
 def _render(pool: RenderPool, request_id: str = "r", body: dict[str, object] = CHAT) -> TokenizedRequest:
-    return asyncio.run(pool.render(OpenAIRequest(ApiKind.CHAT, body), orjson.dumps(body), request_id))
+    return asyncio.run(pool.render(OpenAIRequest(Pipeline.CHAT, body), orjson.dumps(body), request_id))
 
 
 def test_concurrent_renders_spread_over_idle_endpoints() -> None:
@@ -59,7 +59,7 @@ def test_concurrent_renders_spread_over_idle_endpoints() -> None:
 
     async def eight() -> None:
         body = orjson.dumps(CHAT)
-        await asyncio.gather(*(pool.render(OpenAIRequest(ApiKind.CHAT, CHAT), body, f"r{i}") for i in range(8)))
+        await asyncio.gather(*(pool.render(OpenAIRequest(Pipeline.CHAT, CHAT), body, f"r{i}") for i in range(8)))
 
     asyncio.run(eight())
     assert (len(a.calls), len(b.calls)) == (4, 4)
@@ -82,7 +82,7 @@ def test_a_slower_endpoint_gets_less_traffic_and_a_warning(caplog: pytest.LogCap
         body = orjson.dumps(CHAT)
         for wave in range(6):
             await asyncio.gather(
-                *(pool.render(OpenAIRequest(ApiKind.CHAT, CHAT), body, f"w{wave}-{i}") for i in range(4))
+                *(pool.render(OpenAIRequest(Pipeline.CHAT, CHAT), body, f"w{wave}-{i}") for i in range(4))
             )
 
     with caplog.at_level(logging.WARNING, "tito.render"):
@@ -167,7 +167,7 @@ def test_a_cancelled_render_leaves_nothing_behind() -> None:
     pool = _pool(a)
 
     async def cancel() -> None:
-        task = asyncio.create_task(pool.render(OpenAIRequest(ApiKind.CHAT, CHAT), orjson.dumps(CHAT), "gone"))
+        task = asyncio.create_task(pool.render(OpenAIRequest(Pipeline.CHAT, CHAT), orjson.dumps(CHAT), "gone"))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -23,7 +23,7 @@ import pytest
 from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, boundary_pattern, pieces
-from ext_proc.protocol import ApiKind, OpenAIRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest
 from tests.conftest import missing
 
 CONVERSATIONS = 5000
@@ -218,7 +218,7 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
         bodies.append(orjson.dumps(body))
 
     async def answers(render: Any) -> list[tuple[int, bytes]]:
-        return [await render._answer(ApiKind.CHAT, raw, f"r{i}") for i, raw in enumerate(bodies)]
+        return [await render._answer(Pipeline.CHAT.value, raw, f"r{i}") for i, raw in enumerate(bodies)]
 
     with_cache, without = asyncio.run(answers(cached)), asyncio.run(answers(plain))
     assert [s for s, _ in with_cache].count(200) > 250
@@ -231,7 +231,7 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
         out = []
         for i, raw in enumerate(bodies):
             try:
-                tokenized = await render.render(OpenAIRequest(ApiKind.CHAT, orjson.loads(raw)), raw, f"r{i}")
+                tokenized = await render.render(OpenAIRequest(Pipeline.CHAT, orjson.loads(raw)), raw, f"r{i}")
             except GatewayError as exc:
                 out.append(exc.status)
             else:

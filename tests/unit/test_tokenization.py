@@ -13,7 +13,7 @@ import pytest
 
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.tokenization import LocalTokenizer
-from ext_proc.protocol import ApiKind, OpenAIRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest
 from tests.conftest import missing
 
 
@@ -29,7 +29,7 @@ def model_path() -> str:
 
 
 def _chat(**fields: Any) -> OpenAIRequest:
-    return OpenAIRequest(ApiKind.CHAT, {"messages": [{"role": "user", "content": "hi"}], **fields})
+    return OpenAIRequest(Pipeline.CHAT, {"messages": [{"role": "user", "content": "hi"}], **fields})
 
 
 def test_a_client_chat_template_is_refused(model_path: str) -> None:

@@ -3,19 +3,28 @@ without a response store (`VLLM_ENABLE_RESPONSES_API_STORE` unset, its default).
 
 The body is parsed with vLLM's own `ResponsesRequest` (a body it refuses gets native's
 validation error), refused where native refuses it without a store, and named with the
-gateway's id; render (`/v1/responses/render`) then makes its prompt, and the answer is made
-as native makes it (`derender/responses.py`).
+gateway's id; render (`/v1/responses/render`) then makes its prompt, the rendered request is
+served as a completions request, and the answer is made as native makes it
+(`responses_answer.py`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
+from ext_proc.api.body import validation_error
+from ext_proc.api.responses_answer import ResponsesServing
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.openai_api import validation_error
+from ext_proc.frontend.render_in_process import RenderRoute
+from ext_proc.planning.plan import Local, Plan
+from ext_proc.planning.planner import Planner
+from ext_proc.protocol import OpenAIRequest, Pipeline
+
+ENDPOINT = "/v1/responses"  # vLLM's: render serves ENDPOINT + "/render", engines ENDPOINT itself
 
 NO_STORE = (
     "This vLLM engine does not support `store=True` and therefore does not support the background mode. "
@@ -23,6 +32,54 @@ NO_STORE = (
     "when launching the vLLM server."
 )
 BUILT_IN_TOOLS = "built-in tools ({}) are not served through the gateway: only function tools are"
+
+
+class ResponsesApi:
+    """Responses for one base model (`api.routes.ClientApi`): rendered as such, then served as
+    the completions request it is once rendered; None `serving`: not served (501)."""
+
+    handlers = ("responses",)
+
+    def __init__(self, planner: Planner, serving: ResponsesServing | None) -> None:
+        self._planner = planner
+        self._serving = serving
+
+    def error(self, status: int, body: bytes) -> bytes:
+        return body  # native's Responses errors are OpenAI's
+
+    async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
+        try:
+            client = await responses_request(raw, request_id)
+            if self._serving is None:
+                raise GatewayError(501, "the Responses API is not served by this gateway", code="unsupported")
+            named = {**body, "request_id": client.request_id}  # render names its prompt with the gateway's id
+            if named.get("input") in (None, [], ""):
+                raise GatewayError(
+                    400, "'input' is a required property", param="input", code="missing_required_parameter"
+                )
+            raw = orjson.dumps(named)
+            request = OpenAIRequest(
+                Pipeline.COMPLETIONS, named, self._planner.catalog.resolve(named.get("model")), ENDPOINT
+            )
+            tokenized = await self._planner.rendered(request, raw, request_id)
+            if tokenized.complete:  # (else its engine renders it: the native path, as it came)
+                tokenized = self._serving.inside(tokenized, client)
+                raw = orjson.dumps(tokenized.request.body)
+        except GatewayError as error:
+            return Local(error.status, error.body)
+        return await self._planner.placed(tokenized, raw)
+
+
+def render_route() -> RenderRoute:
+    """Render's Responses route, for the renderer loaded in process (the sidecar serves it)."""
+
+    def model() -> Any:
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return ResponsesRequest
+
+    # the stateless Responses render takes no HTTP request (its id is the body's)
+    return RenderRoute(model, lambda serving, parsed, caller: serving.render_responses_request(parsed))
 
 
 async def responses_request(raw: bytes, request_id: str) -> Any:

@@ -1,4 +1,5 @@
-"""Anthropic Messages (`/v1/messages`) over the chat pipeline, as native vLLM serves it.
+"""Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) over the chat pipeline,
+as native vLLM serves it.
 
 Native vLLM's `/v1/messages` is its chat pipeline between two converters: the Messages request
 becomes a chat request (`AnthropicServingMessages.to_chat_completion_request`), and the chat
@@ -22,19 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
+from ext_proc.api.body import validation_error
+from ext_proc.api.openai import parse_request
+from ext_proc.api.stepped import Stepped
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.openai_api import validation_error
 from ext_proc.frontend.render import Renderer, RenderUnavailable
-from ext_proc.frontend.stepped import Stepped
-from ext_proc.protocol import ApiFamily, ApiKind, OpenAIRequest
+from ext_proc.planning.plan import Local, Plan
+from ext_proc.planning.planner import Planner
+from ext_proc.protocol import OpenAIRequest, Pipeline
 
 log = logging.getLogger("tito.messages")
 
@@ -134,7 +138,7 @@ class MessagesFrontend:
         body = {"model": self._served_name, **fields}
         try:
             tokenized = await self._renderer.render(
-                OpenAIRequest(ApiKind.CHAT, body), orjson.dumps(body), "tito-messages-probe"
+                OpenAIRequest(Pipeline.CHAT, body), orjson.dumps(body), "tito-messages-probe"
             )
         except RenderUnavailable as exc:
             raise _Undecided(exc.reason) from exc
@@ -243,5 +247,35 @@ class MessagesConversion:
 MESSAGES = MessagesConversion()
 
 
-def family_of(handler: str | None) -> ApiFamily:
-    return ApiFamily.MESSAGES if handler in ("messages", "messages_count_tokens") else ApiFamily.OPENAI
+class MessagesApi:
+    """Messages for one base model (`api.routes.ClientApi`): its request converted to chat and
+    planned as chat; everything the route refuses in Anthropic's envelope (a body vLLM's
+    model refuses keeps native's validation error)."""
+
+    handlers = ("messages", "messages_count_tokens")
+
+    def __init__(self, planner: Planner, renderer: Renderer | None, served_name: str) -> None:
+        self._planner = planner
+        self.frontend = MessagesFrontend(renderer, served_name)
+
+    def error(self, status: int, body: bytes) -> bytes:
+        return anthropic_error(status, body)
+
+    async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
+        counting = handler == "messages_count_tokens"
+        try:
+            chat = await self.frontend.chat_body(body, count_tokens=counting)
+        except GatewayError as error:  # its body is native's already
+            return Local(error.status, error.body)
+        raw = orjson.dumps(chat)
+        try:
+            request = replace(parse_request(Pipeline.CHAT, chat, self._planner.catalog), conversion=MESSAGES)
+            if counting:
+                plan: Plan = Local(200, count_tokens_body(await self._planner.counted(request, raw, request_id)))
+            else:
+                plan = await self._planner.plan(request, raw, request_id)
+        except GatewayError as error:
+            plan = Local(error.status, error.body)
+        if isinstance(plan, Local) and plan.status != 200:
+            plan = Local(plan.status, anthropic_error(plan.status, plan.body))
+        return plan

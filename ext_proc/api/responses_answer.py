@@ -1,6 +1,7 @@
 """OpenAI Responses answers, made as native vLLM makes them, from a completions answer.
 
-Inside the gateway a Responses request is a completions request once rendered (`inside`):
+Inside the gateway a Responses request is a completions request once rendered (`inside`,
+with the answer made per step: `OpenAIRequest.per_step`):
 its prompt is render's ids, its sampling parameters render's, and it asks for the output ids
 and the usage. Everything between render and the client is then completions': admission,
 scheduling, P/D, relay, obfuscation and derender (the engine's detokenizer, stop strings).
@@ -9,10 +10,10 @@ What native adds on top is per step: the reasoning and tool parser's `parse_delt
 The gateway runs exactly that code: vLLM's own `responses_stream_generator` and
 `responses_full_generator`, on an `OpenAIServingResponses` made without an engine, fed with
 one `RequestOutput` per completions step (text, ids, finish) through a `SimpleContext`, as
-native's engine loop feeds them (`frontend/stepped.py` runs the generator by hand).
+native's engine loop feeds them (`stepped.py` runs the generator by hand).
 
 The completions stream keeps one chunk per engine step for these requests (no merging, see
-`in_process.py`), so the parser sees native's steps.
+`derender/session.py`), so the parser sees native's steps.
 
 Output logprobs (`include: ["message.output_text.logprobs"]`) ride along as completions
 logprobs naming token ids (`return_tokens_as_token_ids`): texts would not do, as distinct
@@ -33,12 +34,12 @@ from typing import Any
 
 import orjson
 
+from ext_proc.api.stepped import Stepped, run_coroutine
 from ext_proc.derender.logprobs import token_id_of
 from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.streaming import DONE
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.stepped import Stepped, run_coroutine
-from ext_proc.protocol import DEFAULT_MAX_TOKENS, ApiFamily, ApiKind, OpenAIRequest, TokenizedRequest
+from ext_proc.protocol import DEFAULT_MAX_TOKENS, OpenAIRequest, Pipeline, TokenizedRequest
 
 log = logging.getLogger("tito.responses")
 
@@ -127,7 +128,12 @@ class ResponsesServing:
         answer = ResponsesAnswer(self, client, prompt.token_ids, params, model_name)
         client_request = tokenized.request.kept()  # what an engine's own /v1/responses gets (native leg)
         request = OpenAIRequest(
-            ApiKind.COMPLETIONS, body, tokenized.request.adapter, ApiFamily.RESPONSES, answer, client_request
+            Pipeline.COMPLETIONS,
+            body,
+            tokenized.request.adapter,
+            conversion=answer,
+            per_step=True,
+            native=client_request,
         )
         return replace(tokenized, request=request)
 
