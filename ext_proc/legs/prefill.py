@@ -18,8 +18,9 @@ import orjson
 
 from ext_proc.errors import GatewayError
 from ext_proc.observability.request import current
+from ext_proc.planning.bodies import prefill_body
 from ext_proc.planning.plan import Plan, TokenOnly
-from ext_proc.planning.planner import Planner, prefill_body
+from ext_proc.planning.planner import Planner
 from ext_proc.protocol import GENERATE_PATH
 
 log = logging.getLogger("tito.prefill")

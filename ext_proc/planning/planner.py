@@ -5,10 +5,9 @@ handler, the content type and the body bytes, and turns the plan into Envoy mess
 only I/O is tokenization (render, or the local tokenizer). Every leg is picked before any is
 committed, so a request that cannot be placed takes nothing.
 
-Which topology (RFC Generate 阶段, PD-hybrid): with a prefill and a decode pool, Handoff
-(prefill leg, then decode) on a Handoff-capable decode instance; when no healthy pair
-exists, a union pool, else a decode instance that may serve alone (`decode_colocation`),
-else a 503.
+Which topology (RFC Generate 阶段, PD-hybrid) is `topology.shapes`: pairs of a prefill and a
+decode leg, else one instance alone, in order of preference; both the routed path and the
+processor-owned one (a leg per prompt) try them in `_leg`.
 """
 
 from __future__ import annotations
@@ -16,19 +15,38 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog, not_found
-from ext_proc.frontend.token_only import generate_body
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.observability.request import current
+from ext_proc.planning.bodies import with_adapter
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
+from ext_proc.planning.refusals import (
+    TRIGGER_BATCH_OBFUSCATED,
+    refuse_what_the_sidecar_cannot_derender,
+    rejected,
+    token_only_required,
+    without_pair,
+)
 from ext_proc.planning.stream_interval import stream_interval
+from ext_proc.planning.topology import (
+    PER_PROMPT,
+    ROUTED,
+    Alone,
+    Offer,
+    Pair,
+    Pairing,
+    PrefillFirst,
+    Shape,
+    shapes,
+    trigger_batch,
+)
 from ext_proc.protocol import Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
@@ -79,7 +97,7 @@ class Planner:
     async def rendered(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         """The request's prompts (GatewayError: refused before anything is admitted)."""
         if self._config.derender.mode == "sidecar":
-            _refuse_what_the_sidecar_cannot_derender(request)
+            refuse_what_the_sidecar_cannot_derender(request)
         self._resolved(request)
         self._check_adapter(request.adapter)
         return with_adapter(await self._tokenization.tokenize(request, self._as_base(request, raw), request_id))
@@ -157,39 +175,81 @@ class Planner:
         return replace(plan, stream_interval=k) if k > 1 else plan
 
     def _place(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
-        now = self._clock()
+        now, offer = self._clock(), Offer.of(self.scheduler.pools)
         batch = len(tokenized.prompts) > 1
-        unpaired: Rejection | None = None
-        if batch and self._trigger_batch():  # RFC: Trigger batches stay on the native path
+        pairing: Pairing | None = None
+        if batch and trigger_batch(offer):  # RFC: Trigger batches stay on the native path
             if self._config.obfuscation.enable:
                 raise GatewayError(501, TRIGGER_BATCH_OBFUSCATED, code="unsupported_with_obfuscation")
-        elif tokenized.complete and (batch or self._relays(tokenized)):
+        elif tokenized.complete and (batch or self._relays(tokenized, offer)):
             owned = self._owned(tokenized, now)
             if owned is not None:
                 return owned
         elif tokenized.complete:
-            pair = self._pair(tokenized, now)
-            if isinstance(pair, TokenOnly):
-                return pair
-            unpaired = pair
-        alone = self._alone(self._batch_request(tokenized), now, native_batch=batch)
-        if isinstance(alone, Rejection):
-            raise rejected(_without_pair(unpaired, alone))
-        decision = self._commit_pick(alone)
+            pairing = ROUTED
+        leg = self._leg(shapes(offer, pairing, batch=batch), self._routed_asks(tokenized), now)
+        if isinstance(leg, Rejection):
+            raise rejected(leg)
+        if leg.trigger:  # the decode leg alone: its engine calls back for its prefill leg
+            params, decode = self._trigger_params(0), replace(leg, trigger=False)
+            return TokenOnly(_kept(tokenized), (decode,), kv_transfer_params=params, trigger_attempt=0)
+        if leg.prefill is not None:  # Handoff: the prefill leg goes first
+            legs = (leg.prefill, replace(leg, prefill=None))
+            return TokenOnly(_kept(tokenized), legs, kv_params_required=self.kv_params_required)
         if (
             batch  # only a Trigger pool, or an instance without token-only generate, serves a batch natively
             or not tokenized.complete
-            or not self.scheduler.supports_token_only(decision.instance.address)
+            or not self.scheduler.supports_token_only(leg.hosts[0])
         ):
             if self._config.obfuscation.enable:  # fail closed: a native endpoint gets plaintext
-                self.finish(decision.request_id)
-                raise token_only_required(decision.instance.address)
+                self.finish(leg.lease_id)
+                raise token_only_required(leg.hosts[0])
             request = tokenized.request.on_native_route()
             body = request.engine_bytes(raw) if request is tokenized.request else orjson.dumps(request.engine_body())
-            return Native(request, body, decision.request_id, decision.hosts)
-        prompt = tokenized.prompts[0]
-        leg = Leg(alone.role, decision.request_id, decision.hosts, prompt, alone.request.max_tokens)
+            return Native(request, body, leg.lease_id, leg.hosts)
         return TokenOnly(_kept(tokenized), (leg,))
+
+    def _leg(self, tried: tuple[Shape, ...], asks: _Asks, now: float, exclude: tuple[str, ...] = ()) -> Leg | Rejection:
+        """The first of the shapes (`topology.shapes`) that places the prompt, its legs
+        committed, or why none did. The prefill leg is picked once (its refusal ends
+        pairing); a refused decode leg falls to the next shape."""
+        prefill: Pick | Rejection | None = None
+        unpaired: Rejection | None = None
+        refused: Rejection | None = None  # the last instance that would have served alone
+        for shape in tried:
+            if isinstance(shape, Alone):
+                picked = self.scheduler.pick(asks.alone, now, shape.role, exclude=exclude, needs=shape.needs)
+                if isinstance(picked, Rejection):
+                    refused = picked
+                    continue
+                decision = self._commit_pick(picked)
+                return Leg(picked.role, decision.request_id, decision.hosts, asks.prompt, asks.alone.max_tokens)
+            if isinstance(prefill, Rejection):
+                continue  # no prefill leg: no pair
+            if prefill is None and (isinstance(shape, PrefillFirst) or shape.mode is Capability.HANDOFF):
+                prefill = self.scheduler.pick(asks.prefill, now, Role.PREFILL, exclude=exclude)
+                if isinstance(prefill, Rejection):
+                    unpaired = prefill
+                    continue
+            if isinstance(shape, Pair):
+                decode = self.scheduler.pick(asks.decode, now, Role.DECODE, exclude=exclude, needs=shape.mode)
+                if not isinstance(decode, Rejection):
+                    return self._paired(asks, shape.mode, decode, prefill)
+                unpaired = decode
+        assert refused is not None, "every topology ends with an instance alone"
+        return without_pair(unpaired, refused)
+
+    def _paired(self, asks: _Asks, mode: Capability, decode: Pick, prefill: Pick | None) -> Leg:
+        """A pair committed: under Handoff the prefill leg first, then the decode leg that
+        carries it; under Trigger the decode leg alone (its engine calls back for prefill)."""
+        prefill_leg = None
+        if mode is Capability.HANDOFF:
+            assert prefill is not None
+            first = self._commit_pick(prefill)
+            prefill_leg = Leg(Role.PREFILL, first.request_id, first.hosts, asks.prompt, asks.prefill.max_tokens)
+        second = self._commit_pick(decode)
+        hosts, trigger = second.hosts, mode is Capability.TRIGGER
+        return Leg(Role.DECODE, second.request_id, hosts, asks.prompt, asks.decode.max_tokens, prefill_leg, trigger)
 
     def _commit_pick(self, pick: Pick) -> Decision:
         """Commit a leg; its request's record learns how much of the prompt the instance held."""
@@ -199,20 +259,7 @@ class Planner:
             record.committed(decision.request_id, decision.matched_tokens)
         return decision
 
-    @property
-    def _pd(self) -> bool:
-        return Role.PREFILL in self.scheduler.pools and Role.DECODE in self.scheduler.pools
-
-    def _decode_mode(self, mode: Capability) -> bool:
-        """The prefill/decode pools work in this mode (Handoff or Trigger)."""
-        return self._pd and any(mode in i.capabilities for i in self.scheduler.pools[Role.DECODE].instances)
-
-    def _trigger_batch(self) -> bool:
-        """A batch with nothing but a Trigger pool to serve it: the native path (RFC: Trigger
-        多 prompt 流式仍沿用原生链路)."""
-        return Role.UNION not in self.scheduler.pools and self._decode_mode(Capability.TRIGGER)
-
-    def _relays(self, tokenized: TokenizedRequest) -> bool:
+    def _relays(self, tokenized: TokenizedRequest, offer: Offer) -> bool:
         """Streaming single-prompt requests are relayed (processor-owned) when reschedule is on:
         a relay under Handoff prefills the replay prompt again, one under Trigger sends it
         decode-first with a new metaserver attempt."""
@@ -220,7 +267,7 @@ class Planner:
             self._config.reschedule.enable
             and tokenized.stream
             and len(tokenized.prompts) == 1
-            and (Role.UNION in self.scheduler.pools or self._pd)
+            and (offer.union or offer.pd)
         )
 
     def _owned(self, tokenized: TokenizedRequest, now: float) -> Owned | None:
@@ -250,72 +297,20 @@ class Planner:
         exclude: tuple[str, ...] = (),
     ) -> Leg:
         """One prompt's legs, committed (GatewayError: rejected): its prefill and decode legs
-        under Handoff when a healthy pair exists, else one instance alone (PD-hybrid). A
-        relay passes the prompt grown by the committed ids, the budget left and the
-        instances that failed."""
+        under Handoff when a healthy pair exists (else, a single prompt, its Trigger decode
+        leg), else one instance alone (PD-hybrid). A relay passes the prompt grown by the
+        committed ids, the budget left and the instances that failed."""
         budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
         now = self._clock() if now is None else now
-        adapter = tokenized.request.adapter
-        paired = self._handoff_pair(lease_id, prompt, budget, tokenized.n, now, exclude, adapter)
-        if paired is None and len(tokenized.prompts) == 1:  # (a Trigger pool's batches go native)
-            paired = self._trigger_leg(lease_id, prompt, budget, tokenized.n, now, exclude, adapter)
-        if isinstance(paired, Leg):
-            return paired
-        alone = self._alone(
-            ScheduleRequest(lease_id, prompt.engine_ids, budget, tokenized.n, **_lora(adapter)), now, exclude
-        )
-        if isinstance(alone, Rejection):
-            raise rejected(_without_pair(paired, alone))
-        decision = self._commit_pick(alone)
-        return Leg(alone.role, decision.request_id, decision.hosts, prompt, budget)
-
-    def _handoff_pair(
-        self,
-        lease_id: str,
-        prompt: PromptTokens,
-        budget: int,
-        n: int,
-        now: float,
-        exclude: tuple[str, ...],
-        adapter: Adapter | None,
-    ) -> Leg | Rejection | None:
-        """A prompt's decode leg with the prefill leg that goes first, both committed (the
-        decode leg charges no prompt: prefill's leg does); why not; None without Handoff pools."""
-        if not self._decode_mode(Capability.HANDOFF):
-            return None
-        lora = _lora(adapter)
-        prefill_request = ScheduleRequest(f"{lease_id}-prefill-0", prompt.engine_ids, PREFILL_MAX_TOKENS, **lora)
-        prefill = self.scheduler.pick(prefill_request, now, Role.PREFILL, exclude=exclude)
-        if isinstance(prefill, Rejection):
-            return prefill
-        decode_request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **lora)
-        decode = self.scheduler.pick(decode_request, now, Role.DECODE, exclude=exclude, needs=Capability.HANDOFF)
-        if isinstance(decode, Rejection):
-            return decode
-        first, second = self._commit_pick(prefill), self._commit_pick(decode)
-        prefill_leg = Leg(Role.PREFILL, first.request_id, first.hosts, prompt, PREFILL_MAX_TOKENS)
-        return Leg(Role.DECODE, second.request_id, second.hosts, prompt, budget, prefill=prefill_leg)
-
-    def _trigger_leg(
-        self,
-        lease_id: str,
-        prompt: PromptTokens,
-        budget: int,
-        n: int,
-        now: float,
-        exclude: tuple[str, ...],
-        adapter: Adapter | None,
-    ) -> Leg | Rejection | None:
-        """A prompt's decode leg under Trigger, committed (its prefill leg is committed when
-        the engine calls back); why not; None without a Trigger pool."""
-        if not self._decode_mode(Capability.TRIGGER):
-            return None
-        request = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **_lora(adapter))
-        decode = self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.TRIGGER)
-        if isinstance(decode, Rejection):
-            return decode
-        decision = self._commit_pick(decode)
-        return Leg(Role.DECODE, decision.request_id, decision.hosts, prompt, budget, trigger=True)
+        adapter, n = tokenized.request.adapter, tokenized.n
+        decode = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **_lora(adapter))
+        alone = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, **_lora(adapter))
+        asks = _Asks(prompt, _prefill_request(lease_id, prompt, adapter, 0), decode, alone)
+        tried = shapes(Offer.of(self.scheduler.pools), PER_PROMPT, batch=len(tokenized.prompts) > 1)
+        leg = self._leg(tried, asks, now, exclude)
+        if isinstance(leg, Rejection):
+            raise rejected(leg)
+        return leg
 
     def trigger_plan(self, tokenized: TokenizedRequest, leg: Leg, attempt: int) -> TokenOnly:
         """A processor-owned Trigger decode leg as the plan its engine's callback is matched
@@ -344,67 +339,23 @@ class Planner:
             if leg.prefill is not None:
                 self.finish(leg.prefill.lease_id)
 
-    def _alone(
-        self, request: ScheduleRequest, now: float, exclude: tuple[str, ...] = (), native_batch: bool = False
-    ) -> Pick | Rejection:
-        """One instance serving the whole request: a union instance, else a decode instance
-        that may serve alone, else (`native_batch`: a batch on the native path) a Trigger one."""
-        if Role.UNION in self.scheduler.pools:
-            return self.scheduler.pick(request, now, Role.UNION, exclude=exclude)
-        alone = self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.COLOCATION)
-        if isinstance(alone, Rejection) and native_batch and self._trigger_batch():
-            return self.scheduler.pick(request, now, Role.DECODE, exclude=exclude, needs=Capability.TRIGGER)
-        return alone
-
-    def _batch_request(self, tokenized: TokenizedRequest) -> ScheduleRequest:
-        """Admission charges every prompt of the batch and n × max_tokens for each; the
-        first prompt's ids drive instance choice."""
+    def _routed_asks(self, tokenized: TokenizedRequest) -> _Asks:
+        """The routed path's legs: the whole request on one instance (admission charges every
+        prompt of a batch and n × max_tokens for each; the first prompt's ids drive instance
+        choice), or its first prompt's prefill and decode legs."""
         first, *rest = tokenized.prompts
-        n = tokenized.n
+        n, adapter, rid = tokenized.n, tokenized.request.adapter, tokenized.request_id
 
-        def budget(prompt: PromptTokens) -> int:
-            return leg_max_tokens(self._config, tokenized, prompt, Role.UNION)
+        def budget(prompt: PromptTokens, role: Role = Role.UNION) -> int:
+            return leg_max_tokens(self._config, tokenized, prompt, role)
 
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
-        lora = _lora(tokenized.request.adapter)
-        return ScheduleRequest(tokenized.request_id, first.engine_ids, budget(first), n, others, **lora)
-
-    def _pair(self, tokenized: TokenizedRequest, now: float) -> TokenOnly | Rejection | None:
-        """Prefill and decode, when a healthy pair exists (else why not, or None without
-        prefill/decode pools: serve alone). Trigger when the decode instance calls back for
-        its prefill (the prefill leg is committed only then), else Handoff (the prefill leg
-        goes first)."""
-        if not self._pd:
-            return None
-        prompt, rid = tokenized.prompts[0], tokenized.request_id
-        max_tokens = leg_max_tokens(self._config, tokenized, prompt, Role.DECODE)
-        decode_request = ScheduleRequest(
-            f"{rid}-decode",
-            prompt.engine_ids,
-            max_tokens,
-            tokenized.n,
-            charge_prompt=False,
-            **_lora(tokenized.request.adapter),
+        alone = ScheduleRequest(rid, first.engine_ids, budget(first), n, others, **_lora(adapter))
+        max_tokens = budget(first, Role.DECODE)
+        decode = ScheduleRequest(
+            f"{rid}-decode", first.engine_ids, max_tokens, n, charge_prompt=False, **_lora(adapter)
         )
-        prefill = self._pick_prefill(tokenized, now, attempt=0)
-        if isinstance(prefill, Rejection):
-            return prefill
-        unpaired: Rejection | None = None
-        for mode in (Capability.TRIGGER, Capability.HANDOFF):
-            if not self._decode_mode(mode):
-                continue
-            decode = self.scheduler.pick(decode_request, now, Role.DECODE, needs=mode)
-            if isinstance(decode, Rejection):
-                unpaired = decode
-                continue
-            if mode is Capability.TRIGGER:
-                leg = self._commit(decode, tokenized, max_tokens)
-                return TokenOnly(
-                    _kept(tokenized), (leg,), kv_transfer_params=self._trigger_params(0), trigger_attempt=0
-                )
-            legs = (self._commit(prefill, tokenized, PREFILL_MAX_TOKENS), self._commit(decode, tokenized, max_tokens))
-            return TokenOnly(_kept(tokenized), legs, kv_params_required=self.kv_params_required)
-        return unpaired
+        return _Asks(first, _prefill_request(rid, first, adapter, 0), decode, alone)
 
     def trigger_prefill(self, plan: TokenOnly) -> Leg | None:
         """The prefill leg a Trigger decode engine called for: picked and committed now."""
@@ -414,9 +365,7 @@ class Planner:
     def _pick_prefill(
         self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()
     ) -> Pick | Rejection:
-        prompt = tokenized.prompts[0]
-        lease_id, lora = f"{tokenized.request_id}-prefill-{attempt}", _lora(tokenized.request.adapter)
-        request = ScheduleRequest(lease_id, prompt.engine_ids, PREFILL_MAX_TOKENS, **lora)
+        request = _prefill_request(tokenized.request_id, tokenized.prompts[0], tokenized.request.adapter, attempt)
         return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
 
     def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
@@ -434,12 +383,9 @@ class Planner:
         """Handoff failed before decode (no prefill instance could prefill): its decode lease
         goes back and the request is served alone if anything can (PD-hybrid), else `error`."""
         self.finish(plan.routed.lease_id)
-        alone = self._alone(self._batch_request(plan.tokenized), self._clock())
-        if isinstance(alone, Rejection):
-            return Local(error.status, error.body)
-        decision = self._commit_pick(alone)
-        leg = Leg(alone.role, decision.request_id, decision.hosts, plan.tokenized.prompts[0], alone.request.max_tokens)
-        return TokenOnly(plan.tokenized, (leg,))
+        tried = shapes(Offer.of(self.scheduler.pools), None, batch=False)  # (a Handoff plan has one prompt)
+        leg = self._leg(tried, self._routed_asks(plan.tokenized), self._clock())
+        return Local(error.status, error.body) if isinstance(leg, Rejection) else TokenOnly(plan.tokenized, (leg,))
 
     def finish(self, lease_id: str, failed: tuple[str, ...] = (), served_by: str | None = None) -> None:
         """A leg is over: its tokens go back, its engine's verdict to the breakers (whose
@@ -456,26 +402,17 @@ class Planner:
                 self.on_engine_failed(address)
 
 
-def routed_body(plan: TokenOnly) -> bytes:
-    """The generate body of the leg Envoy routes (after a Handoff, with prefill's KV params)."""
-    leg = plan.routed
-    return generate_body(
-        leg.prompt,
-        leg.max_tokens,
-        plan.tokenized.shows_sampled_beside_k,
-        request_id=leg.lease_id,
-        kv_transfer_params=plan.kv_transfer_params,
-        stream=plan.tokenized.generate_streams,
-        stream_interval=plan.stream_interval,
-    )
+class _Asks(NamedTuple):
+    """What each leg that may serve a prompt asks of scheduling, whichever shape serves it."""
+
+    prompt: PromptTokens
+    prefill: ScheduleRequest
+    decode: ScheduleRequest  # charges no prompt: the prefill leg does
+    alone: ScheduleRequest
 
 
-def prefill_body(plan: TokenOnly) -> bytes:
-    leg = plan.prefill
-    assert leg is not None
-    return generate_body(
-        leg.prompt, leg.max_tokens, plan.tokenized.shows_sampled_beside_k, request_id=leg.lease_id, prefill=True
-    )
+def _prefill_request(lease_id: str, prompt: PromptTokens, adapter: Adapter | None, attempt: int) -> ScheduleRequest:
+    return ScheduleRequest(f"{lease_id}-prefill-{attempt}", prompt.engine_ids, PREFILL_MAX_TOKENS, **_lora(adapter))
 
 
 def _lora(adapter: Adapter | None) -> dict[str, Any]:
@@ -483,67 +420,6 @@ def _lora(adapter: Adapter | None) -> dict[str, Any]:
     return {} if adapter is None else {"adapter": adapter.name, "adapter_path": adapter.path}
 
 
-def with_adapter(tokenized: TokenizedRequest) -> TokenizedRequest:
-    """Engines get the adapter's name as `model` (token-only generate names a LoRA adapter
-    only that way); render rendered the request under the base's."""
-    adapter = tokenized.request.adapter
-    if adapter is None:
-        return tokenized
-    for prompt in tokenized.prompts:
-        for rendered in (prompt.generate_request, prompt.engine_request):
-            if rendered is not None:
-                rendered["model"] = adapter.name
-    return tokenized
-
-
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
     """What the exchange keeps for the life of the stream: no steering fields, no metadata."""
     return replace(tokenized, request=tokenized.request.kept())
-
-
-ECHO_NEEDS_IN_PROCESS = (
-    "`echo` needs the in-process derender (derender.mode: in_process): the render sidecar's"
-    " /derender does not repeat the prompt"
-)
-IDS_NEED_IN_PROCESS = (
-    "`return_tokens_as_token_ids` with logprobs needs the in-process derender (derender.mode: in_process):"
-    " the render sidecar's /derender names logprob tokens by their text"
-)
-
-
-def _refuse_what_the_sidecar_cannot_derender(request: OpenAIRequest) -> None:
-    if request.echo:
-        raise GatewayError(400, ECHO_NEEDS_IN_PROCESS, param="echo", code="unsupported_with_sidecar_derender")
-    body = request.body
-    if body.get("return_tokens_as_token_ids") and body.get("logprobs") not in (None, False):
-        param = "return_tokens_as_token_ids"
-        raise GatewayError(400, IDS_NEED_IN_PROCESS, param=param, code="unsupported_with_sidecar_derender")
-
-
-TRIGGER_BATCH_OBFUSCATED = (
-    "multi-prompt requests on a Trigger prefill/decode pool are served by an engine's native endpoint,"
-    " which token obfuscation forbids"
-)
-
-
-def _without_pair(unpaired: Rejection | None, alone: Rejection) -> Rejection:
-    """Why a request has no instance: with prefill/decode pools, why no pair was found (the
-    instance that may serve alone is only the fallback)."""
-    if unpaired is None or alone.status == 429:
-        return alone
-    return Rejection(unpaired.status, f"no prefill/decode pair available: {unpaired.reason}")
-
-
-def rejected(rejection: Rejection) -> GatewayError:
-    """Scheduling's refusal as the client's error."""
-    codes = {429: "token_budget_exceeded", 400: "context_length_exceeded"}
-    code = codes.get(rejection.status, "no_healthy_instance")
-    return GatewayError(rejection.status, rejection.reason, param="messages" if code == codes[400] else None, code=code)
-
-
-def token_only_required(address: str) -> GatewayError:
-    return GatewayError(
-        503,
-        f"engine {address} has no token-only generate, and token obfuscation forbids its native endpoint",
-        code="token_only_required",
-    )

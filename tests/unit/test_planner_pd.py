@@ -12,7 +12,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
 from ext_proc.planning.plan import Native, Owned
 from ext_proc.planning.planner import Planner
-from ext_proc.protocol import ApiKind, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
 from ext_proc.server import build_scheduler
 from scheduler import Role
 
@@ -36,7 +36,7 @@ def batch(prompts: int, max_tokens: int = 4) -> TokenizedRequest:
         for i in range(prompts)
     ]
     body = {"model": "tiny", "prompt": ["x"] * prompts, "max_tokens": max_tokens}
-    return TokenizedRequest(OpenAIRequest(ApiKind.COMPLETIONS, body), "cmpl-1", rendered)
+    return TokenizedRequest(OpenAIRequest(Pipeline.COMPLETIONS, body), "cmpl-1", rendered)
 
 
 def test_a_batch_under_handoff_is_a_prefill_and_a_decode_leg_per_prompt() -> None:
