@@ -24,7 +24,8 @@ from typing import Any
 
 import uvloop
 
-from ext_proc.config import ProcessorConfig, load_config
+from ext_proc.config import load_config
+from ext_proc.config_edge import ProcessorConfig
 from ext_proc.extras import PROCESSOR, MissingExtra, require
 from ext_proc.tools.tiny_model import TINY_VOCAB
 from render_sidecar.launch import has_vllm_cli, render_command

@@ -4,6 +4,12 @@ Overrides: `TITO__<SECTION>__<KEY>=value` (double underscores nest, case-insensi
 values parsed as YAML so `TITO__RENDER_CONFIG__ENDPOINT__PORT=8101` is an int and
 `TITO__POOLS='[{name: union, instances: [{host: 127.0.0.1, port: 8201}]}]'` a list).
 The config file is `--config`, else `$TITO_CONFIG`, else defaults that work locally.
+
+This module holds `TitoConfig`, its per-base-model sections (model, render, pools,
+obfuscation: what `TitoConfig.bases()` swaps per base) and the small process-wide ones
+(logging, tracing, the local stack), and the loading. The edge's sections (listener,
+processor) are `config_edge.py`'s, the routing ones (scheduler, admission, reschedule, LoRA,
+capabilities) `config_routing.py`'s; `config_section.py` is their common base.
 """
 
 from __future__ import annotations
@@ -14,17 +20,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from ext_proc.config_edge import ListenerConfig, ProcessorConfig
+from ext_proc.config_routing import (
+    AdmissionConfig,
+    CapabilitiesConfig,
+    LoraConfig,
+    RescheduleConfig,
+    SchedulerConfig,
+)
+from ext_proc.config_section import Section
 
 ENV_PREFIX = "TITO__"
-MiB = 1 << 20
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Endpoint(_Strict):
+class Endpoint(Section):
     host: str = "127.0.0.1"
     port: int
 
@@ -37,126 +48,13 @@ class Endpoint(_Strict):
         return f"http://{self.host}:{self.port}"
 
 
-class PublicRoute(_Strict):
-    """One method + path the listener serves; every other request gets a 404 from Envoy
-    and reaches nothing. `handler` says who answers: chat/completions are rendered and
-    routed token-only, as are Anthropic Messages (`messages`: chat inside the gateway, as in
-    native vLLM; `messages_count_tokens`: render alone) and OpenAI Responses (`responses`: the
-    stateless subset, completions inside the gateway), passthrough goes to an engine
-    untouched (never breaker input), health and models (the model catalog's /v1/models) are
-    answered by the processor."""
-
-    method: Literal["GET", "POST"]
-    path: str
-    handler: Literal[
-        "chat", "completions", "messages", "messages_count_tokens", "responses", "passthrough", "health", "models"
-    ]
-
-
-DEFAULT_ROUTES = [
-    PublicRoute(method="POST", path="/v1/chat/completions", handler="chat"),
-    PublicRoute(method="POST", path="/v1/completions", handler="completions"),
-    PublicRoute(method="POST", path="/v1/messages", handler="messages"),
-    PublicRoute(method="POST", path="/v1/messages/count_tokens", handler="messages_count_tokens"),
-    PublicRoute(method="POST", path="/v1/responses", handler="responses"),
-    PublicRoute(method="GET", path="/v1/models", handler="models"),
-    PublicRoute(method="GET", path="/health", handler="health"),
-]
-
-
-class ListenerConfig(_Strict):
-    """Envoy's OpenAI-facing listener, its edge limits and its admin port."""
-
-    host: str = "127.0.0.1"
-    port: int = 8080
-    admin_port: int = 9901
-    # Envoy's admin (stats, /ready; also /quitquitquit): loopback unless a scraper needs it
-    admin_host: str = "127.0.0.1"
-    routes: list[PublicRoute] = Field(default_factory=lambda: list(DEFAULT_ROUTES))
-    max_request_bytes: int = 32 * MiB  # request bodies; the processor answers 413 as bytes cross it
-    stream_idle_timeout_s: int = 300
-    request_headers_timeout_s: int = 10  # a client that never finishes its headers
-    request_timeout_s: int = 60  # a client that never finishes its body (trickling uploads)
-    max_concurrent_streams: int = 128  # per HTTP/2 client connection
-    max_connections: int = 10000  # downstream connections, all listeners
-    envoy_max_heap_bytes: int = 1 << 30  # overload manager: shed load before Envoy's heap reaches it
-
-    @model_validator(mode="after")
-    def _unique_routes(self) -> ListenerConfig:
-        keys = [(r.method, r.path) for r in self.routes]
-        if len(set(keys)) != len(keys) or any(not r.path.startswith("/") for r in self.routes):
-            raise ValueError("listener.routes: each method+path once, paths starting with '/'")
-        return self
-
-    def handler(self, method: str, path: str) -> str | None:
-        """Who answers this request (query string ignored, as in Envoy's exact path match)."""
-        path = path.split("?", 1)[0]
-        for route in self.routes:
-            if route.method == method and route.path == path:
-                return route.handler
-        return None
-
-
-class ProcessorConfig(_Strict):
-    """The gRPC ext_proc server Envoy talks to."""
-
-    host: str = "127.0.0.1"  # where Envoy reaches the processor
-    listen_host: str = "127.0.0.1"  # what the processor binds (0.0.0.0 in containers)
-    port: int = 9002
-    admin_port: int = 9003  # /health, /debug/state, /metrics (on listen_host)
-    grpc_max_message_bytes: int = 64 * MiB
-    http_max_connections: int = 256
-    max_streams: int = 2048  # concurrent ext_proc streams Envoy may open (its circuit breaker)
-    max_response_bytes: int = 64 * MiB  # a buffered (non-streaming) engine response; over it: 502
-    # Request bodies + buffered responses of all streams; over it: 503. None: one maximal
-    # body (listener.max_request_bytes), so the processor's RSS stays within twice that under
-    # any burst of uploads (the rest is transport buffers). Raise it for many large bodies.
-    max_inflight_bytes: int | None = None
-    fallback_tokenizer_timeout_s: float = 10.0  # the local tokenizer's chat template, per request
-    # Processor-owned streams (fan-out, relay): SSE pieces waiting for the client, per request;
-    # when full, the engine streams wait (backpressure), nothing is dropped.
-    owned_queue_depth: int = 32
-    # SIGTERM: open streams may finish this long; then they end with an error event
-    drain_timeout_s: float = 30.0
-    # Processor processes on this host (`tito processor --workers N`), each a gRPC server
-    # Envoy balances streams over: one Python process tops out at a few thousand chunks/s.
-    # Worker i takes the port pair `port + 2i`, `admin_port + 2i` (9002/9003, 9004/9005, ...).
-    workers: int = Field(default=1, ge=1)
-    worker_index: int = Field(default=0, ge=0)  # set by the supervisor for each worker
-    # uvloop (what vLLM's API server runs on): the gRPC handling of each ext_proc message costs
-    # about a quarter less CPU than on asyncio's own loop (`tests/bench/grpc_bench.py`).
-    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
-
-    @model_validator(mode="after")
-    def _worker_ports_disjoint(self) -> ProcessorConfig:
-        grpc, admin = (set(ports) for ports in zip(*self.worker_ports(), strict=True))
-        if grpc & admin:
-            raise ValueError(
-                f"processor: {self.workers} workers take ports port + 2i and admin_port + 2i;"
-                f" {sorted(grpc & admin)} would be both (make admin_port - port odd)"
-            )
-        return self
-
-    def worker_ports(self) -> list[tuple[int, int]]:
-        """(gRPC port, admin port) of every worker, worker 0 first."""
-        base = 2 * self.worker_index
-        return [(self.port - base + 2 * i, self.admin_port - base + 2 * i) for i in range(self.workers)]
-
-    def for_worker(self, index: int) -> ProcessorConfig:
-        """Worker `index`'s own ports (its admin port also serves its Trigger callbacks)."""
-        shift = 2 * (index - self.worker_index)
-        return self.model_copy(
-            update={"port": self.port + shift, "admin_port": self.admin_port + shift, "worker_index": index}
-        )
-
-
 class RenderEndpoint(Endpoint):
     """One render process of the pool."""
 
     timeout_ms: int | None = None  # this endpoint's own per-attempt timeout (None: the pool's)
 
 
-class RenderConfig(_Strict):
+class RenderConfig(Section):
     """sidecar: the render sidecar over HTTP (the RFC's Render service). in_process: vLLM's
     own renderer (what the sidecar serves) loaded into the processor at start-up, no HTTP hop:
     ~2 ms per chat render instead of 7-11 ms through the sidecar; the same answers and
@@ -199,7 +97,7 @@ class RenderConfig(_Strict):
         return self
 
 
-class DerenderConfig(_Strict):
+class DerenderConfig(Section):
     """Where generate output becomes OpenAI responses.
 
     in_process: live per-choice state in the processor (vLLM's incremental detokenizer and
@@ -216,7 +114,7 @@ class DerenderConfig(_Strict):
     stream_interval: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
 
 
-class AdapterConfig(_Strict):
+class AdapterConfig(Section):
     """A LoRA adapter of the base model: clients name it as `model`; `path` is where the
     engines read it (`tito up` passes it as --lora-modules; `lora.on_missing: load` loads it)."""
 
@@ -224,7 +122,7 @@ class AdapterConfig(_Strict):
     path: str | None = None  # None: `tito up` generates a tiny adapter of its tiny model
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Section):
     """Read once and shared by the render sidecar and every engine, so both tokenize alike.
     The model catalog: this base model under `served_name` and its `aliases`, and its LoRA
     adapters (these, and what each engine's /v1/models lists with this base as `parent`)."""
@@ -244,22 +142,7 @@ class ModelConfig(_Strict):
         return bool(self.reasoning_parser or self.tool_call_parser)
 
 
-class LoraConfig(_Strict):
-    """LoRA adapters across a pool's instances (RFC 多模型路由): prefer an instance that runs
-    the adapter, keep each within its engine's `max_loras`, spread a hot adapter."""
-
-    # An adapter no instance lists: `route` sends it anyway (the engine may resolve it
-    # itself, else answers 404), `load` has the chosen instance load it first (its path from
-    # `model.adapters`; engines need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), `reject` answers 404.
-    on_missing: Literal["route", "load", "reject"] = "route"
-    max_loras: int = Field(default=1, ge=1)  # adapters an engine runs at once (its --max-loras)
-    max_lora_rank: int = Field(default=16, ge=1)  # `tito up`'s engines (--max-lora-rank)
-    # An adapter's requests in flight on an instance beyond which the next goes to another
-    # instance with room (a hot adapter spreads instead of queueing on one engine).
-    spread_requests: int = Field(default=8, ge=1)
-
-
-class KvEventsEndpoint(_Strict):
+class KvEventsEndpoint(Section):
     """An engine's KV cache event publisher (vLLM --kv-events-config: endpoint, replay_endpoint, topic)."""
 
     endpoint: str  # e.g. tcp://10.0.0.7:5557 (the engine binds tcp://*:5557)
@@ -278,7 +161,7 @@ class InstanceConfig(Endpoint):
     kv_events: KvEventsEndpoint | None = None  # with scheduler.prefix_source: kv_events
 
 
-class PoolConfig(_Strict):
+class PoolConfig(Section):
     name: str = "union"
     role: Literal["union", "prefill", "decode"] = "union"
     instances: list[InstanceConfig] = Field(default_factory=lambda: [InstanceConfig(port=8200)])
@@ -300,68 +183,7 @@ class PoolConfig(_Strict):
         return self
 
 
-class BreakerSettings(_Strict):
-    failure_threshold: int = 3  # consecutive engine failures that open an instance's breaker
-    base_cooldown_s: float = 5.0  # first open period; doubles after each failed half-open probe
-    max_cooldown_s: float = 60.0
-
-
-class SchedulerConfig(_Strict):
-    policy: Literal["kv_cache_affinity", "load_balance", "round_robin"] = "kv_cache_affinity"
-    prefix_index_max_blocks: int = 1 << 20
-    # kv_cache_affinity score (Motor's unified mode), lowest wins
-    prefill_load_scale: float = 1.0
-    overlap_credit: float = 1.0
-    load_weight: float = 1.0
-    hit_rate_threshold: float = 0.0
-    max_fallbacks: int = 2  # other instances Envoy may retry on before the first byte
-    retry_budget_percent: float = 20.0  # Envoy retries at most this share of active requests
-    # on: clamp max_tokens to max_model_len - prompt tokens; prompts that do not fit get a 400
-    context_budget_mode: Literal["on", "off"] = "off"
-    # Where the prefix index learns what engines hold: their KV cache events (instances with
-    # `kv_events` set; hashes as the engines compute them: --prefix-caching-hash-algo
-    # sha256_cbor, pools[].block_size their block size), else what this gateway routed.
-    # Instances without `kv_events` (or whose stream is down or lags) use routing records.
-    prefix_source: Literal["routing", "kv_events"] = "kv_events"
-    kv_events_lag_s: float = 5.0  # no event this long after a commit: that instance falls back to routing
-    hash_seed: str = "vllm-none-hash"  # the engines' PYTHONHASHSEED, when they set one
-    # What load balancing counts as an instance's load. ledger: the requests this processor
-    # sent. engine_metrics: also what each engine's /metrics reports (running and waiting
-    # requests, KV cache usage), polled every engine_metrics_interval_s: processors that share
-    # an engine pool then see each other's traffic. A sample older than engine_metrics_stale_s
-    # (metrics unreachable): the ledger alone. Admission (token budgets) is the ledger's either way.
-    load_source: Literal["ledger", "engine_metrics"] = "ledger"
-    engine_metrics_interval_s: float = 1.0
-    engine_metrics_stale_s: float = 5.0
-    breaker: BreakerSettings = BreakerSettings()
-
-
-class RescheduleConfig(_Strict):
-    """Relay (RFC 流式 replay 与重调度): a streaming single-prompt request whose engine fails
-    mid-stream goes on on another instance from the ids the client already has. When on,
-    those requests take the processor-owned path (the processor runs the engine stream)."""
-
-    enable: bool = False
-    max_attempts: int = 3  # engine streams per request, the first included
-    first_token_timeout_s: float = 60.0  # no first event this long: the engine is stalled
-    inter_token_timeout_s: float = 30.0  # no next event this long: the engine is stalled
-
-
-class AdmissionConfig(_Strict):
-    """Token budgets (prompt tokens + max_tokens of every active request); None is unlimited.
-
-    The budgets are the whole gateway's. Every processor process (`replicas` gateways with
-    `processor.workers` each) enforces an equal share, rounded down, on its own ledger: the
-    shares never add up to more than the budget, whichever process Envoy picks, with no
-    coordination on the request path. A request larger than one share is refused (429).
-    """
-
-    global_token_budget: int | None = None
-    instance_token_budget: int | None = None
-    replicas: int = Field(default=1, ge=1)  # gateway replicas (hosts) sharing these engines
-
-
-class ObfuscationConfig(_Strict):
+class ObfuscationConfig(Section):
     """Token obfuscation (RFC Token 混淆适配): the engines serve vocabulary-permuted weights,
     so they get physical ids only; render, derender and clients keep semantic ids. When on,
     it fails closed: no local-tokenizer fallback, no native path (both would send plaintext).
@@ -378,42 +200,13 @@ class ObfuscationConfig(_Strict):
     fix_added_tokens: bool = True  # also keep the tokenizer's added tokens (chat control, tags)
 
 
-class CapabilitiesConfig(_Strict):
-    """Capability negotiation (RFC 能力协商): before a client request pays for it, the gateway
-    learns what every engine and render endpoint serves (`ext_proc/fleet/capabilities.py`):
-    version, models, max_model_len, LoRA adapters, KV block size and hash, KV event sources,
-    whether token-only generate is live (an engine without it is served natively from its
-    first request), and whether its tokenizer agrees with render's (a canary chat rendered
-    and tokenized). An engine routes once its record is complete, and stops at once when a
-    probe or liveness check fails; `/ready` is 503 while some pool has no engine that routes.
-
-    on_mismatch: what a block size, hash algorithm or max_model_len other than the config's
-    does: `adopt` (the engine's value is used: the pool's prefix index hashes in its block
-    size, its KV events are ignored for another hash, requests that do not fit its context
-    go elsewhere) or `hold_out` (it does not route). A tokenizer mismatch always holds out."""
-
-    enable: bool = True
-    on_mismatch: Literal["adopt", "hold_out"] = "adopt"
-    interval_s: float = 30.0  # a complete record is refreshed this often
-    timeout_s: float = 2.0  # per probe request
-    # an endpoint that cannot be probed is tried again after retry_min_s, doubling to retry_max_s
-    retry_min_s: float = 0.5
-    retry_max_s: float = 5.0
-    # liveness: every engine's `GET /health` this often, and at once after a client request
-    # failed on it; one that fails it (no connection, a 5xx, no answer within
-    # health_timeout_s) stops routing at once and is probed with the backoff above, and its
-    # first passing check after that brings on the full probe at once
-    health_interval_s: float = Field(default=1.0, gt=0)
-    health_timeout_s: float = Field(default=1.0, gt=0)  # per liveness check
-
-
-class LoggingConfig(_Strict):
+class LoggingConfig(Section):
     """The processor's log lines: text, or one JSON object per line (stage fields as keys)."""
 
     format: Literal["text", "json"] = "text"
 
 
-class TracingConfig(_Strict):
+class TracingConfig(Section):
     """Where traces go. The processor follows the standard OTEL_* variables first
     (OTEL_EXPORTER_OTLP_ENDPOINT, ...); `collector` (an OTLP/gRPC endpoint) is their default
     and also turns on Envoy's own tracing to the same collector. None and no OTEL_*: off."""
@@ -421,7 +214,7 @@ class TracingConfig(_Strict):
     collector: Endpoint | None = None
 
 
-class LocalStackConfig(_Strict):
+class LocalStackConfig(Section):
     """What `tito up` needs beyond the gateway itself."""
 
     cache_dir: str = "~/.cache/tito"
@@ -443,7 +236,7 @@ class LocalStackConfig(_Strict):
     engine_extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags for every engine
 
 
-class BaseModelConfig(_Strict):
+class BaseModelConfig(Section):
     """Another base model of the catalog (RFC 多模型路由): what the top-level `model`,
     `render_config`, `pools` and `obfuscation` are for the first one. Each base has its own
     tokenizer, render endpoint, engines, scheduler and admission ledger, and its own
@@ -455,7 +248,7 @@ class BaseModelConfig(_Strict):
     obfuscation: ObfuscationConfig = ObfuscationConfig()
 
 
-class TitoConfig(_Strict):
+class TitoConfig(Section):
     listener: ListenerConfig = ListenerConfig()
     processor: ProcessorConfig = ProcessorConfig()
     render_config: RenderConfig = RenderConfig()

@@ -10,7 +10,8 @@ import importlib.metadata
 import json
 import sys
 
-from ext_proc.config import Endpoint, KvEventsEndpoint, LoraConfig, ModelConfig, RenderConfig
+from ext_proc.config import Endpoint, KvEventsEndpoint, ModelConfig, RenderConfig
+from ext_proc.config_routing import LoraConfig
 
 
 def has_vllm_cli() -> bool:

@@ -28,11 +28,10 @@ from ext_proc.config import (
     Endpoint,
     InstanceConfig,
     KvEventsEndpoint,
-    ListenerConfig,
-    ProcessorConfig,
     RenderConfig,
     TitoConfig,
 )
+from ext_proc.config_edge import ListenerConfig, ProcessorConfig
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer

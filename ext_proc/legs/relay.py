@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from ext_proc.config import RescheduleConfig
+from ext_proc.config_routing import RescheduleConfig
 from ext_proc.derender.model import cached_tokens
 from ext_proc.derender.pipeline import Derenderer, PerTokenSteps, parse_event, whole_events
 from ext_proc.derender.streaming import SSEFramer

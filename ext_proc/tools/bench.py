@@ -31,91 +31,16 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
 
-Api = Literal["chat", "completions"]
-
-PROMPTS = [
-    "Tell me a story about a brave little robot.",
-    "Explain how a token-in/token-out gateway works, step by step.",
-    "用中文讲个故事 🐉🚀，然后说 こんにちは 👋🏽",
-    "List ten prime numbers and say why each one is prime.",
-    "What is the weather like in Paris in spring? Answer in detail.",
-]
-
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-    },
-}
-# Constrains the output once reasoning ended: one hermes tool call.
-TOOL_REGEX = (
-    r"<tool_call>\n"
-    r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,12}", "unit": "celsius"\}\}'
-    r"\n</tool_call>"
-)
-THINK_END = "</think>"
-THINK_END_BIAS = 4.0  # on the tiny random model: reasoning ends after ~20 tokens on average
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    gateway: str
-    native: str
-    model: str = "tiny"
-    concurrency: int = 8
-    max_tokens: int = 256
-    api: Api = "chat"
-    requests: int = 16  # per side
-    tools: bool = False
-    warmup_rounds: int = 0  # per side, not measured
-    seed: int = 1000
-    timeout_s: float = 600.0
-    think_end_id: int | None = None  # --tools: the `</think>` token, biased up (found by run_bench)
-
-    def body(self, index: int) -> dict[str, Any]:
-        """The request `index` (the same body on both sides)."""
-        prompt = PROMPTS[index % len(PROMPTS)]
-        body: dict[str, Any] = {
-            "model": self.model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": self.max_tokens,
-            "ignore_eos": True,
-            "temperature": 1.0,
-            "seed": self.seed + index,
-        }
-        if self.api == "completions":
-            return body | {"prompt": prompt}
-        body["messages"] = [{"role": "user", "content": prompt}]
-        if self.tools:
-            body |= {
-                "tools": [WEATHER_TOOL],
-                "tool_choice": "auto",
-                "structured_outputs": {"regex": TOOL_REGEX},
-            }
-            if self.think_end_id is not None:
-                body["logit_bias"] = {str(self.think_end_id): THINK_END_BIAS}
-        return body
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+from ext_proc.tools.bench_report import BenchReport, SideStats, format_report, percentile, ratio
+from ext_proc.tools.bench_workload import THINK_END, BenchOptions
 
 
 @dataclass
@@ -128,92 +53,6 @@ class RequestResult:
     chunks: int = 0  # data events other than [DONE]
     content_chunks: int = 0
     completion_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class SideStats:
-    side: str
-    ok: int
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    gap_p50_ms: float
-    gap_p99_ms: float
-    gap_mean_ms: float
-    e2e_p50_ms: float
-    e2e_p99_ms: float
-    chunks_per_request: float
-    content_chunks_per_request: float
-    tokens_per_s: float  # completion tokens of ok requests / time spent in this side's rounds
-    error_samples: list[str]
-
-
-@dataclass(frozen=True)
-class BenchReport:
-    options: BenchOptions
-    sides: dict[str, SideStats]
-
-    @property
-    def e2e_p50_ratio(self) -> float:
-        return _ratio(self.sides["gateway"].e2e_p50_ms, self.sides["native"].e2e_p50_ms)
-
-    @property
-    def ttft_p50_diff_ms(self) -> float:
-        return self.sides["gateway"].ttft_p50_ms - self.sides["native"].ttft_p50_ms
-
-    @property
-    def gap_p50_ratio(self) -> float:
-        return _ratio(self.sides["gateway"].gap_p50_ms, self.sides["native"].gap_p50_ms)
-
-    @property
-    def gap_mean_ratio(self) -> float:
-        return _ratio(self.sides["gateway"].gap_mean_ms, self.sides["native"].gap_mean_ms)
-
-    @property
-    def errors(self) -> int:
-        return sum(s.errors for s in self.sides.values())
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-safe (NaN, e.g. a percentile of nothing, becomes null)."""
-        report = {
-            "options": asdict(self.options),
-            "sides": {name: asdict(stats) for name, stats in self.sides.items()},
-            "gateway_over_native": {
-                "e2e_p50_ratio": self.e2e_p50_ratio,
-                "ttft_p50_diff_ms": self.ttft_p50_diff_ms,
-                "gap_p50_ratio": self.gap_p50_ratio,
-                "gap_mean_ratio": self.gap_mean_ratio,
-            },
-            "errors": self.errors,
-        }
-        safe: dict[str, Any] = json_safe(report)
-        return safe
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with NaN floats (e.g. a percentile of nothing) as None, which JSON can carry."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("nan")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 # -- one stream ---------------------------------------------------------------------------
@@ -345,7 +184,7 @@ def _stats(side: _Side, options: BenchOptions) -> SideStats:
         e2e_p99_ms=percentile(e2e, 99),
         chunks_per_request=sum(r.chunks for r in ok) / n,
         content_chunks_per_request=sum(r.content_chunks for r in ok) / n,
-        tokens_per_s=_ratio(len(ok) * options.max_tokens, side.busy_s),
+        tokens_per_s=ratio(len(ok) * options.max_tokens, side.busy_s),
         error_samples=[f"#{r.index}: {r.error}" for r in failed[:5]],
     )
 
@@ -390,37 +229,7 @@ async def run_bench(options: BenchOptions) -> BenchReport:
     return BenchReport(options, {side.name: _stats(side, options) for side in sides})
 
 
-# -- output -------------------------------------------------------------------------------
-
-
-def format_report(report: BenchReport) -> str:
-    o = report.options
-    workload = "tools + reasoning (structured_outputs regex)" if o.tools else "plain prompt"
-    lines = [
-        f"{o.api}, {o.concurrency} concurrent streams, max_tokens {o.max_tokens}, {o.requests} requests per side, "
-        f"{workload}; gateway {o.gateway}, native {o.native}",
-        f"{'side':<9}{'ok':>4}{'err':>4} |{'TTFT p50':>9}{'p99':>8} |{'gap p50':>8}{'p99':>8}{'mean':>8} |"
-        f"{'E2E p50':>9}{'p99':>9} |{'chunks':>7}{'content':>8}{'tok/s':>8}",
-    ]
-    for s in report.sides.values():
-        lines.append(
-            f"{s.side:<9}{s.ok:>4}{s.errors:>4} |{s.ttft_p50_ms:>9.1f}{s.ttft_p99_ms:>8.1f} |"
-            f"{s.gap_p50_ms:>8.2f}{s.gap_p99_ms:>8.2f}{s.gap_mean_ms:>8.2f} |{s.e2e_p50_ms:>9.1f}{s.e2e_p99_ms:>9.1f} |"
-            f"{s.chunks_per_request:>7.1f}{s.content_chunks_per_request:>8.1f}{s.tokens_per_s:>8.0f}"
-        )
-    lines.append(
-        "(ms; TTFT: to the first content-bearing chunk; gap: between content-bearing chunks; "
-        "chunks, content: data events per request, all and content-bearing; tok/s: completion tokens per second "
-        "of the side's rounds)"
-    )
-    lines.append(
-        f"gateway/native: E2E p50 x{report.e2e_p50_ratio:.2f}, TTFT p50 {report.ttft_p50_diff_ms:+.1f} ms, "
-        f"gap mean x{report.gap_mean_ratio:.2f}, gap p50 x{report.gap_p50_ratio:.2f}"
-    )
-    for s in report.sides.values():
-        for sample in s.error_samples:
-            lines.append(f"error ({s.side}) {sample}")
-    return "\n".join(lines)
+# -- the command ------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

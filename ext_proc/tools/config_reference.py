@@ -1,7 +1,8 @@
 """The configuration reference (`docs/configuration.md`), generated from `ext_proc/config.py`
-so it cannot drift: every section and key with its type, default, environment override and
-the comments that explain it in the source. `tito config-reference` prints the page (`--out`
-writes it); `tests/unit/test_config_reference.py` fails when the committed page differs.
+and the `config_*.py` modules it builds on, so it cannot drift: every section and key with
+its type, default, environment override and the comments that explain it in the source.
+`tito config-reference` prints the page (`--out` writes it); `tests/unit/test_config_reference.py`
+fails when the committed page differs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pydantic_core import PydanticUndefined
 from ext_proc.config import ENV_PREFIX, TitoConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+# The modules whose classes are the config's own (ext_proc.config and ext_proc.config_*),
+# read for their annotations and comments; pydantic's own bases are not.
+CONFIG_MODULES = "ext_proc.config"
 HEADER = """# Configuration reference
 
 <!-- Generated from ext_proc/config.py by `tito config-reference --out docs/configuration.md`;
@@ -102,7 +106,7 @@ def _source(model: type[BaseModel]) -> tuple[dict[str, str], dict[str, str]]:
     annotations: dict[str, str] = {}
     comments: dict[str, str] = {}
     for cls in reversed(model.__mro__):
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ != TitoConfig.__module__:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or not cls.__module__.startswith(CONFIG_MODULES):
             continue
         source = textwrap.dedent(inspect.getsource(cls))
         by_line: dict[int, str] = {}

@@ -31,7 +31,9 @@ from typing import Any
 import httpx
 
 from ext_proc.config import TitoConfig
-from ext_proc.tools.bench import PROMPTS, BenchOptions, BenchReport, format_report, run_bench
+from ext_proc.tools.bench import run_bench
+from ext_proc.tools.bench_report import BenchReport, format_report
+from ext_proc.tools.bench_workload import PROMPTS, BenchOptions
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.bench.cpu_accounting import group_cpu_by_pid, main_thread_cpu_seconds, own_cpu_seconds

@@ -47,7 +47,9 @@ import httpx
 import orjson
 
 from ext_proc.config import TitoConfig
-from ext_proc.tools.bench import WEATHER_TOOL, SseEvents, json_safe
+from ext_proc.tools.bench import SseEvents
+from ext_proc.tools.bench_report import json_safe
+from ext_proc.tools.bench_workload import WEATHER_TOOL
 from ext_proc.tools.local_stack import LocalStack, ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command

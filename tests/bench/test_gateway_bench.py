@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ext_proc.tools import bench
+from ext_proc.tools.bench_report import percentile
 from tests.conftest import RunningStack
 
 
@@ -54,4 +55,4 @@ def test_sse_framing_and_content_bearing() -> None:
     assert bench.content_bearing({"choices": [{"text": "x"}]})
     assert not bench.content_bearing({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     assert not bench.content_bearing({"choices": [], "usage": {"completion_tokens": 8}})
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ext_proc.planning.planner import ECHO_NEEDS_IN_PROCESS, IDS_NEED_IN_PROCESS
+from ext_proc.planning.refusals import ECHO_NEEDS_IN_PROCESS, IDS_NEED_IN_PROCESS
 from ext_proc.tools.conformance import messages as messages_conformance
 from ext_proc.tools.conformance import responses as responses_conformance
 from ext_proc.tools.conformance.core import Answer, differences, new_client

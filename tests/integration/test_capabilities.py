@@ -17,7 +17,7 @@ import httpx
 from openai import OpenAI
 
 from ext_proc.config import Endpoint
-from ext_proc.fleet.capabilities import CANARY_MESSAGES
+from ext_proc.fleet.capability_probe import CANARY_CHAT
 from ext_proc.tools.local_stack import LocalStack
 from tests.conftest import RunningStack, SimGateway, gateway_config, start_gateway, start_sim_gateway
 from tests.engine_sim import EngineSim, SimServer
@@ -29,7 +29,7 @@ FAST_RETRY = {"retry_min_s": 0.2, "retry_max_s": 1.0}
 def render_canary(stack: RunningStack) -> list[int]:
     """What the stack's real render sidecar renders the gateway's canary chat into."""
     url = stack.config.render_config.endpoint.url + "/v1/chat/completions/render"
-    body = {"model": "tiny", "messages": CANARY_MESSAGES}
+    body = {"model": "tiny", "messages": CANARY_CHAT}
     ids: list[int] = httpx.post(url, json=body, timeout=10, trust_env=False).json()["token_ids"]
     return ids
 

@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from ext_proc.config import DEFAULT_ROUTES
+from ext_proc.config_edge import DEFAULT_ROUTES
 from tests.conftest import RunningStack, SimGateway, running_sim_gateway
 from tests.engine_sim import Fault
 

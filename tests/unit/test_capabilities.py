@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from ext_proc.config import TitoConfig
-from ext_proc.fleet.capabilities import (
-    Capabilities,
+from ext_proc.fleet.capabilities import Capabilities
+from ext_proc.fleet.capability_probe import (
     parse_cache_config,
     parse_kv_event_sources,
     parse_models,

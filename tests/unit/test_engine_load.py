@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from ext_proc.config import SchedulerConfig, TitoConfig
+from ext_proc.config import TitoConfig
+from ext_proc.config_routing import SchedulerConfig
 from ext_proc.fleet.engine_metrics import (
     EngineMetricsPoller,
     MetricsUnreadable,

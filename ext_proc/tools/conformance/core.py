@@ -1,20 +1,25 @@
 """What every API's conformance cases share: an answer reduced to what a client relies on,
 the field-by-field comparison, and the runner (native first, which must show the case's
-feature, then the gateway). Each API's cases and normalization are a module of their own
-(`openai.py` with `openai_cases.py`, `messages.py`, `responses.py`); `cli.py` is the command."""
+feature, then the gateway); and what the two APIs whose streams are typed events (Messages,
+Responses) share: the stream's reading and framing checks, and the case shape (one body, run
+whole and streamed). Each API's cases and normalization are a module of their own
+(`openai.py` with `openai_cases.py` and `openai_expects.py`, `messages.py`, `responses.py`);
+`cli.py` is the command."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
 Status = Literal["PASS", "FAIL", "BROKEN CASE"]
 Json = dict[str, Any]
+
+C = TypeVar("C", bound="BodyCase")
 
 MAX_REPORTED = 6  # differences shown per case by default; the first ones say the most
 ABSENT: Any = object()  # a key one side has and the other lacks
@@ -81,6 +86,47 @@ def split_events(raw: bytes) -> tuple[list[tuple[str | None, Json]], list[str]]:
     return events, problems
 
 
+def present(value: Any) -> str:
+    """A random value (an id, a signature) normalized to whether it is there."""
+    return "present" if value else "missing"
+
+
+@dataclass
+class TypedStream:
+    """An SSE stream whose events are named for their `type` (Messages, Responses), as a
+    client reads it: the events, the framing problems (`first` must open it, `last` end it
+    unless an error event came, no `[DONE]`) and the sequence of event keys, a run of one
+    key counted once (how many tokens a delta carries is not the promise)."""
+
+    events: list[tuple[str | None, Json]]
+    problems: list[str]
+    sequence: list[str]
+    last: str
+
+    @classmethod
+    def read(cls, raw: bytes, api: str, first: str, last: str, key: Callable[[Json], str]) -> TypedStream:
+        events, problems = split_events(raw)
+        if not events or events[0][0] != first:
+            problems.append(f"stream: the first event is not {first}")
+        if b"[DONE]" in raw:
+            problems.append(f"stream: a [DONE] in a {api} stream")
+        sequence: list[str] = []
+        for _, data in events:
+            event_key = key(data)
+            if not sequence or sequence[-1] != event_key:
+                sequence.append(event_key)
+        return cls(events, problems, sequence, last)
+
+    def answer(self, normalized: Json, error: Any) -> Answer:
+        """The stream's answer: what the API's normalizer made of it, with the error event's
+        error if one came (else the stream must end with `last`)."""
+        if error is None and (not self.events or self.events[-1][0] != self.last):
+            self.problems.append(f"stream: the last event is not {self.last}")
+        if error is not None:
+            normalized["error"] = error
+        return Answer(normalized, self.problems)
+
+
 # --------------------------------------------------------------------------- comparison
 
 
@@ -145,6 +191,36 @@ class Expect:
 def http_status(status: int) -> Expect:
     """An error case's feature: native answers with this status."""
     return Expect(f"HTTP {status}", lambda a: a.normalized.get("status") == status)
+
+
+def normalized_is(key: str, value: Any) -> Expect:
+    """Native's normalized answer has `value` under `key` (a stop reason, a status)."""
+    return Expect(f"{key} {value!r}", lambda a: a.normalized.get(key) == value)
+
+
+@dataclass(frozen=True)
+class BodyCase:
+    """A case of an API whose request is one JSON body (Messages, Responses)."""
+
+    name: str
+    body: Mapping[str, Any]  # without model and stream
+    expect: tuple[Expect, ...] = ()
+    stream: bool = False
+
+    def request(self, model: str) -> Json:
+        return {"model": model, **self.body, "stream": self.stream}  # a case naming its own model keeps it
+
+
+def in_both_modes(
+    kind: Callable[..., C], prefix: str, specs: Sequence[tuple[str, Json, tuple[Expect, ...]]]
+) -> list[C]:
+    """Each spec (name, body, expect) as a whole case and a streamed one: `prefix-name-full`,
+    `prefix-name-stream`."""
+    return [
+        kind(f"{prefix}-{name}-{'stream' if stream else 'full'}", body, expect, stream)
+        for name, body, expect in specs
+        for stream in (False, True)
+    ]
 
 
 @dataclass

@@ -25,16 +25,21 @@ import httpx
 
 from ext_proc.tools.conformance.core import (
     Answer,
+    BodyCase,
     Expect,
+    Json,
+    TypedStream,
     answer_of,
     http_status,
+    in_both_modes,
     normalize_body_error,
+    normalized_is,
     posted,
+    present,
     run_with,
-    split_events,
 )
+from ext_proc.tools.conformance.openai_cases import CITY_SCHEMA, ENGLISH, NO_THINK
 
-Json = dict[str, Any]
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
 
@@ -45,14 +50,10 @@ COUNT_PATH = "/v1/messages/count_tokens"
 def _block(block: Mapping[str, Any]) -> Json:
     kind = block.get("type")
     if kind == "thinking":
-        return {"type": kind, "thinking": block.get("thinking"), "signature": _present(block.get("signature"))}
+        return {"type": kind, "thinking": block.get("thinking"), "signature": present(block.get("signature"))}
     if kind == "tool_use":
-        return {"type": kind, "name": block.get("name"), "input": block.get("input"), "id": _present(block.get("id"))}
+        return {"type": kind, "name": block.get("name"), "input": block.get("input"), "id": present(block.get("id"))}
     return {key: block.get(key) for key in ("type", "text")}
-
-
-def _present(value: Any) -> str:
-    return "present" if value else "missing"
 
 
 def normalize_message(body: Mapping[str, Any]) -> Answer:
@@ -62,7 +63,7 @@ def normalize_message(body: Mapping[str, Any]) -> Answer:
             "type": body.get("type"),
             "role": body.get("role"),
             "model": body.get("model"),
-            "id": _present(body.get("id")),
+            "id": present(body.get("id")),
             "content": [_block(b) for b in body.get("content") or []],
             "stop_reason": body.get("stop_reason"),
             "stop_sequence": body.get("stop_sequence"),
@@ -117,21 +118,13 @@ def _event_key(data: Mapping[str, Any]) -> str:
 
 
 def normalize_stream(raw: bytes) -> Answer:
-    events, problems = split_events(raw)
-    if not events or events[0][0] != "message_start":
-        problems.append("stream: the first event is not message_start")
-    if b"[DONE]" in raw:
-        problems.append("stream: a [DONE] in a Messages stream")
-    sequence: list[str] = []
+    stream = TypedStream.read(raw, "Messages", "message_start", "message_stop", _event_key)
     blocks = _Blocks()
     message: Json = {}
     usage: Json = {}
     stop: Json = {}
     error = None
-    for _, data in events:
-        key = _event_key(data)
-        if not sequence or sequence[-1] != key:
-            sequence.append(key)
+    for _, data in stream.events:
         kind = data.get("type")
         if kind == "message_start":
             message = dict(data.get("message") or {})
@@ -145,40 +138,31 @@ def normalize_stream(raw: bytes) -> Answer:
             usage.update(data.get("usage") or {})
         elif kind == "error":
             error = data.get("error")
-    if error is None and (not events or events[-1][0] != "message_stop"):
-        problems.append("stream: the last event is not message_stop")
     normalized = {
         "type": message.get("type"),
         "role": message.get("role"),
         "model": message.get("model"),
-        "id": _present(message.get("id")),
+        "id": present(message.get("id")),
         "content": blocks.finished(),
         "stop_reason": stop.get("stop_reason"),
         "stop_sequence": stop.get("stop_sequence"),
         "usage": usage,
-        "events": sequence,
+        "events": stream.sequence,
     }
-    if error is not None:
-        normalized["error"] = error
-    return Answer(normalized, problems)
+    return stream.answer(normalized, error)
 
 
 # --------------------------------------------------------------------------- cases
 
 
 @dataclass(frozen=True)
-class MessagesCase:
-    name: str
-    body: Mapping[str, Any]  # without model and stream
-    expect: tuple[Expect, ...] = ()
-    stream: bool = False
-    path: str = PATH
+class MessagesCase(BodyCase):
+    path: str = PATH  # or COUNT_PATH, which takes no `stream`
 
     def request(self, model: str) -> Json:
-        body: Json = {"model": model, **self.body}  # a case naming its own model keeps it
         if self.path == PATH:
-            body["stream"] = self.stream
-        return body
+            return super().request(model)
+        return {"model": model, **self.body}  # a case naming its own model keeps it
 
 
 def _content(test: Callable[[Sequence[Json]], bool]) -> Callable[[Answer], bool]:
@@ -187,10 +171,6 @@ def _content(test: Callable[[Sequence[Json]], bool]) -> Callable[[Answer], bool]
 
 def _has_block(kind: str) -> Expect:
     return Expect(f"a {kind} block", _content(lambda blocks: any(b["type"] == kind for b in blocks)))
-
-
-def _stop(reason: str) -> Expect:
-    return Expect(f"stop_reason {reason!r}", lambda a: a.normalized.get("stop_reason") == reason)
 
 
 TOOL = {
@@ -203,18 +183,8 @@ TOOL = {
     },
 }
 STRICT_TOOL = {**TOOL, "strict": True}
-CITY_FORMAT = {
-    "type": "json_schema",
-    "schema": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "東京 🗼"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-}
-NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+CITY_FORMAT = {"type": "json_schema", "schema": CITY_SCHEMA}
 GREEDY = {"temperature": 0.0}
-ENGLISH = "Tell me a story about a brave little robot."
 HISTORY: list[Json] = [
     {"role": "user", "content": "What is the weather in Paris?"},
     {
@@ -244,7 +214,7 @@ def _ask(user: str | list[Json], max_tokens: int, **extra: Any) -> Json:
 
 
 SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
-    ("text", _ask(ENGLISH, 12, **NO_THINK), (HAS_TEXT, _stop("max_tokens"))),
+    ("text", _ask(ENGLISH, 12, **NO_THINK), (HAS_TEXT, normalized_is("stop_reason", "max_tokens"))),
     ("thinking", _ask(ENGLISH, 12), (HAS_THINKING,)),
     ("thinking-disabled", _ask(ENGLISH, 8, thinking={"type": "disabled"}), ()),
     ("system-string", _ask(ENGLISH, 8, system="You are terse.", **NO_THINK), (HAS_TEXT,)),
@@ -260,8 +230,12 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
     ),
     ("json-format", _ask(ENGLISH, 40, output_config={"format": CITY_FORMAT}, **NO_THINK), (HAS_TEXT,)),
     # the stop string ends inside a token: the text before it is held back, then cut
-    ("stop-sequence", _ask(ENGLISH, 16, stop_sequences=["think"], **NO_THINK), (_stop("stop_sequence"), HAS_TEXT)),
-    ("stop-in-thinking", _ask(ENGLISH, 16, stop_sequences=["ant"]), (_stop("stop_sequence"),)),
+    (
+        "stop-sequence",
+        _ask(ENGLISH, 16, stop_sequences=["think"], **NO_THINK),
+        (normalized_is("stop_reason", "stop_sequence"), HAS_TEXT),
+    ),
+    ("stop-in-thinking", _ask(ENGLISH, 16, stop_sequences=["ant"]), (normalized_is("stop_reason", "stop_sequence"),)),
     (
         "tool-named",
         _ask(ENGLISH, 24, tools=[STRICT_TOOL], tool_choice={"type": "tool", "name": "get_weather"}, **NO_THINK),
@@ -272,11 +246,7 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
     ("tool-none", _ask(ENGLISH, 10, tools=[TOOL], tool_choice={"type": "none"}, **NO_THINK), (HAS_TEXT,)),
     ("tool-result", _ask(HISTORY, 10, tools=[TOOL], **NO_THINK), ()),
 ]
-CASES: list[MessagesCase] = [
-    MessagesCase(f"messages-{name}-{'stream' if stream else 'full'}", body, expect, stream)
-    for name, body, expect in SPECS
-    for stream in (False, True)
-] + [
+CASES: list[MessagesCase] = in_both_modes(MessagesCase, "messages", SPECS) + [
     MessagesCase(
         "messages-count-tokens", {"messages": HISTORY, "tools": [TOOL], "system": "Be terse."}, path=COUNT_PATH
     ),

@@ -1,15 +1,42 @@
 """The OpenAI conformance cases (chat and completions): each a request, as data, run
-streaming and not, with what native's answer must show for the case to prove anything."""
+streaming and not, with what native's answer must show for the case to prove anything
+(those checks are `openai_expects.py`'s)."""
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ext_proc.tools.conformance.core import Answer, Expect, Json
+from ext_proc.tools.conformance.core import Expect, Json
+from ext_proc.tools.conformance.openai_expects import (
+    ALL_REASONING_COUNTED,
+    BAD_REQUEST,
+    CHAT_NO_TOP,
+    CHAT_PROMPT_LOGPROBS,
+    CHAT_TOP2,
+    COMPLETION_TOKENS_1,
+    COMPLETION_TOKENS_16,
+    COMPLETION_TOP2,
+    HAS_CONTENT,
+    HAS_REASONING,
+    ID_TOKENS,
+    JSON_OBJECT,
+    NO_CONTENT,
+    NON_ASCII,
+    PROMPT_LOGPROBS,
+    PROMPT_SCORED,
+    SPLIT_CHARS,
+    TWO_CHOICES,
+    echoes,
+    echoes_only,
+    finish,
+    matches,
+    stop_reason,
+    tool_arguments,
+    tool_names,
+    usage_above,
+)
 from ext_proc.tools.tiny_model import SPECIAL_TOKENS
 
 Api = Literal["chat", "completions"]
@@ -49,77 +76,6 @@ class Case:
             body["stream_options"] = {"include_usage": True}
         return body
 
-
-def _text(choice: Mapping[str, Any]) -> str:
-    """The generated visible text of a choice, whatever the API."""
-    return str(choice.get("content") or choice.get("text") or "")
-
-
-def _all(test: Callable[[Json], bool]) -> Callable[[Answer], bool]:
-    return lambda a: bool(a.choices) and all(test(c) for c in a.choices)
-
-
-def _finish(reason: str) -> Expect:
-    return Expect(f"finish_reason {reason!r}", _all(lambda c: c["finish_reason"] == reason))
-
-
-def _tool_names(names: Sequence[str]) -> Expect:
-    return Expect(f"tool calls {list(names)}", _all(lambda c: [t["name"] for t in c["tool_calls"]] == list(names)))
-
-
-def _usage_above(field_name: str, minimum: int) -> Expect:
-    return Expect(
-        f"usage.{field_name} > {minimum}", lambda a: a.usage is not None and (a.usage.get(field_name) or 0) > minimum
-    )
-
-
-def _json_content(choice: Mapping[str, Any]) -> bool:
-    try:
-        return isinstance(json.loads(_text(choice)), dict)
-    except json.JSONDecodeError:
-        return False
-
-
-def _reasoning_tokens(answer: Answer) -> int:
-    details = (answer.usage or {}).get("completion_tokens_details") or {}
-    return int(details.get("reasoning_tokens") or 0)
-
-
-def _chat_top2(choice: Mapping[str, Any]) -> bool:
-    entries = choice.get("logprobs") or []
-    return bool(entries) and all(len(e["top_logprobs"]) == 2 for e in entries)
-
-
-def _completion_top2(choice: Mapping[str, Any]) -> bool:
-    logprobs = choice.get("logprobs") or {}
-    return bool(logprobs.get("tokens")) and all(len(t or {}) >= 2 for t in logprobs.get("top_logprobs") or [None])
-
-
-def _id_tokens(choice: Mapping[str, Any]) -> bool:
-    """Every logprob token named by its id (`return_tokens_as_token_ids`)."""
-    logprobs = choice.get("logprobs")
-    if isinstance(logprobs, dict):  # completions
-        tokens = list(logprobs.get("tokens") or []) + [
-            t for top in logprobs.get("top_logprobs") or [] for t in top or {}
-        ]
-    else:
-        tokens = [e["token"] for e in logprobs or []] + [t["token"] for e in logprobs or [] for t in e["top_logprobs"]]
-    return bool(tokens) and all(t.startswith("token_id:") for t in tokens)
-
-
-HAS_CONTENT = Expect("non-empty text", _all(lambda c: bool(_text(c))))
-HAS_REASONING = Expect("reasoning", _all(lambda c: bool(c.get("reasoning"))))
-NO_CONTENT = Expect("no content", _all(lambda c: c.get("content") is None))
-NON_ASCII = Expect("non-ASCII text", _all(lambda c: any(ord(ch) > 127 for ch in _text(c))))
-# More tokens than characters: at least one character was split across tokens.
-SPLIT_CHARS = Expect(
-    "characters split across tokens",
-    lambda a: a.usage is not None and len(a.choices) == 1 and a.usage["completion_tokens"] > len(_text(a.choices[0])),
-)
-TWO_CHOICES = Expect(
-    "2 different choices",
-    lambda a: len(a.choices) == 2 and len({_text(c) + str(c.get("reasoning")) for c in a.choices}) == 2,
-)
 
 # Chat without thinking: the prompt closes the think block, so the reasoning parser lets
 # structured outputs apply from the first token (with thinking on, vLLM holds them back until
@@ -194,38 +150,6 @@ def _tools(seed: int, *cities: str, **extra: Any) -> Json:
     )
 
 
-def _matches(regex: str) -> Expect:
-    return Expect(f"text matching {regex!r}", _all(lambda c: re.fullmatch(regex, _text(c)) is not None))
-
-
-def _stop_reason(value: str) -> Expect:
-    return Expect(f"stop_reason {value!r}", _all(lambda c: c["stop_reason"] == value))
-
-
-def _tool_arguments(arguments: Json) -> Expect:
-    return Expect(
-        f"tool arguments {arguments}", _all(lambda c: [t["arguments"] for t in c["tool_calls"]] == [arguments])
-    )
-
-
-COMPLETION_TOKENS_16 = Expect("usage.completion_tokens == 16", lambda a: (a.usage or {}).get("completion_tokens") == 16)
-# `max_tokens: 0` with echo: the engine still generates (and native counts) one token
-COMPLETION_TOKENS_1 = Expect("usage.completion_tokens == 1", lambda a: (a.usage or {}).get("completion_tokens") == 1)
-# vLLM's streaming count skips a token whose text is still an incomplete character unless it
-# shares a chunk with the next one, so it depends on chunk timing; a seed whose every reasoning
-# token has text counts them all, however the stream is chunked.
-ALL_REASONING_COUNTED = Expect(
-    "usage.completion_tokens_details.reasoning_tokens == completion_tokens > 0",
-    lambda a: 0 < _reasoning_tokens(a) == (a.usage or {}).get("completion_tokens"),
-)
-CHAT_TOP2 = Expect("logprobs with 2 top_logprobs", _all(_chat_top2))
-CHAT_NO_TOP = Expect(
-    "logprobs with no top_logprobs",
-    _all(lambda c: bool(c.get("logprobs")) and all(not e["top_logprobs"] for e in c["logprobs"])),
-)
-ID_TOKENS = Expect("logprob tokens as token ids", _all(_id_tokens))
-COMPLETION_TOP2 = Expect("logprobs with 2 top_logprobs", _all(_completion_top2))
-JSON_OBJECT = Expect("a JSON object", _all(_json_content))
 NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 # No max_tokens: chat's default is the rest of the context (a regex keeps the answer short but
 # longer than 16 tokens, so a gateway defaulting to 16 would cut it); completions' default is 16.
@@ -240,29 +164,9 @@ CONTINUED = [{"role": "user", "content": ENGLISH}, {"role": "assistant", "conten
 OUT_OF_VOCABULARY = 999_999  # an id no tokenizer of a test model has: the engine's 400
 
 
-def _echoes(prefix: str) -> Expect:
-    return Expect(f"text starting with {prefix[:20]!r}", _all(lambda c: _text(c).startswith(prefix)))
-
-
-def _echoes_only(prompt: str) -> Expect:
-    return Expect("the prompt alone", _all(lambda c: _text(c) == prompt))
-
-
-def _prompt_scored(choice: Mapping[str, Any]) -> bool:
-    """Completions logprobs that start at the prompt: its first token has none."""
-    logprobs = choice.get("logprobs") or {}
-    values = logprobs.get("token_logprobs") or []
-    return len(values) > 1 and values[0] is None and values[1] is not None
-
-
-PROMPT_SCORED = Expect("logprobs of the prompt's tokens (the first null)", _all(_prompt_scored))
-PROMPT_LOGPROBS = Expect("prompt_logprobs", _all(lambda c: bool(c.get("prompt_logprobs"))))
-CHAT_PROMPT_LOGPROBS = Expect("prompt_logprobs", lambda a: bool(a.normalized.get("prompt_logprobs")))
-BAD_REQUEST = Expect("a BadRequestError", lambda a: (a.normalized.get("error") or {}).get("type") == "BadRequestError")
-
 SPECS: list[Spec] = [
-    Spec("content", "chat", _constrained_chat(ENGLISH, 1, max_tokens=24), (HAS_CONTENT, _finish("length"))),
-    Spec("content", "completions", _completion(ENGLISH, 2, max_tokens=24), (HAS_CONTENT, _finish("length"))),
+    Spec("content", "chat", _constrained_chat(ENGLISH, 1, max_tokens=24), (HAS_CONTENT, finish("length"))),
+    Spec("content", "completions", _completion(ENGLISH, 2, max_tokens=24), (HAS_CONTENT, finish("length"))),
     Spec("reasoning", "chat", _chat(ENGLISH, 143, max_tokens=12), (HAS_REASONING, NO_CONTENT)),
     Spec(
         "reasoning-content",
@@ -274,7 +178,7 @@ SPECS: list[Spec] = [
         "tool-auto",
         "chat",
         _tools(5, "Paris", tool_choice="auto"),
-        (_tool_names(["get_weather"]), _finish("tool_calls")),
+        (tool_names(["get_weather"]), finish("tool_calls")),
     ),
     Spec(
         "tool-named",
@@ -282,32 +186,32 @@ SPECS: list[Spec] = [
         _constrained_chat(
             "What is the weather?", 9, tools=[STRICT_WEATHER_TOOL], tool_choice=NAMED_TOOL, max_tokens=60
         ),
-        (_tool_names(["get_weather"]),),
+        (tool_names(["get_weather"]),),
     ),
     Spec(  # a call cut short by max_tokens: `length`, not `tool_calls`, streamed or not
         "tool-required-cut",
         "chat",
         _constrained_chat("What is the weather?", 9, tools=[STRICT_WEATHER_TOOL], tool_choice="required", max_tokens=6),
-        (_finish("length"),),
+        (finish("length"),),
     ),
     Spec(
         "tool-several",
         "chat",
         _tools(7, "Paris", "東京 🗼"),
-        (_tool_names(["get_weather", "get_weather"]), _finish("tool_calls")),
+        (tool_names(["get_weather", "get_weather"]), finish("tool_calls")),
     ),
-    Spec("tool-non-ascii", "chat", _tools(8, "東京 🗼"), (_tool_arguments({"city": "東京 🗼"}), _finish("tool_calls"))),
+    Spec("tool-non-ascii", "chat", _tools(8, "東京 🗼"), (tool_arguments({"city": "東京 🗼"}), finish("tool_calls"))),
     Spec(
         "stop",
         "chat",
         _constrained_chat(ENGLISH, 9, max_tokens=40, stop=["e"], **_regex(LETTERS_REGEX)),
-        (_finish("stop"), _stop_reason("e")),
+        (finish("stop"), stop_reason("e")),
     ),
     Spec(
         "stop",
         "completions",
         _constrained_completion(ENGLISH, 10, max_tokens=40, stop=["e"], **_regex(LETTERS_REGEX)),
-        (_finish("stop"), _stop_reason("e")),
+        (finish("stop"), stop_reason("e")),
     ),
     Spec(
         "logprobs", "chat", _constrained_chat(ENGLISH, 11, max_tokens=12, logprobs=True, top_logprobs=2), (CHAT_TOP2,)
@@ -329,25 +233,25 @@ SPECS: list[Spec] = [
         "json",
         "chat",
         _constrained_chat("A city as JSON.", 27, max_tokens=60, structured_outputs={"json": CITY_SCHEMA}),
-        (JSON_OBJECT, _finish("stop")),
+        (JSON_OBJECT, finish("stop")),
     ),
     Spec(
         "json",
         "completions",
         _constrained_completion("A city as JSON:", 27, max_tokens=60, structured_outputs={"json": CITY_SCHEMA}),
-        (JSON_OBJECT, _finish("stop")),
+        (JSON_OBJECT, finish("stop")),
     ),
     Spec(
         "regex",
         "chat",
         _constrained_chat(ENGLISH, 15, max_tokens=40, **_regex(WORDS_REGEX)),
-        (_matches(WORDS_REGEX), _finish("stop")),
+        (matches(WORDS_REGEX), finish("stop")),
     ),
     Spec(
         "regex",
         "completions",
         _constrained_completion(ENGLISH, 16, max_tokens=40, **_regex(WORDS_REGEX)),
-        (_matches(WORDS_REGEX), _finish("stop")),
+        (matches(WORDS_REGEX), finish("stop")),
     ),
     Spec("n2", "chat", _constrained_chat(ENGLISH, 17, max_tokens=12, n=2), (TWO_CHOICES,), stream_usage=True),
     Spec("n2", "completions", _completion(ENGLISH, 18, max_tokens=12, n=2), (TWO_CHOICES,), stream_usage=True),
@@ -356,21 +260,21 @@ SPECS: list[Spec] = [
         "usage",
         "completions",
         _completion(ENGLISH, 20, max_tokens=16),
-        (_usage_above("completion_tokens", 0), _usage_above("prompt_tokens", 0)),
+        (usage_above("completion_tokens", 0), usage_above("prompt_tokens", 0)),
         stream_usage=True,
     ),
     Spec(
         "default-max-tokens",
         "chat",
         _constrained_chat(ENGLISH, 21, **_regex(LONG_WORDS_REGEX)),
-        (_usage_above("completion_tokens", 16), _finish("stop")),
+        (usage_above("completion_tokens", 16), finish("stop")),
         stream_usage=True,
     ),
     Spec(
         "default-max-tokens",
         "completions",
         _completion(ENGLISH, 22),
-        (COMPLETION_TOKENS_16, _finish("length")),
+        (COMPLETION_TOKENS_16, finish("length")),
         stream_usage=True,
     ),
     Spec(
@@ -392,22 +296,22 @@ SPECS: list[Spec] = [
         "loglikelihood",
         "completions",
         _completion(LOGLIKELIHOOD, 40, echo=True, logprobs=1, max_tokens=0),
-        (_echoes_only(LOGLIKELIHOOD), PROMPT_SCORED, COMPLETION_TOKENS_1),
+        (echoes_only(LOGLIKELIHOOD), PROMPT_SCORED, COMPLETION_TOKENS_1),
         stream_usage=True,
     ),
     Spec(
         "loglikelihood-1",
         "completions",
         _completion(LOGLIKELIHOOD, 41, echo=True, logprobs=1, max_tokens=1),
-        (_echoes(LOGLIKELIHOOD), PROMPT_SCORED),
+        (echoes(LOGLIKELIHOOD), PROMPT_SCORED),
     ),
     Spec(
         "echo-logprobs",
         "completions",
         _completion(CJK_EMOJI, 42, echo=True, logprobs=2, max_tokens=8),
-        (_echoes(CJK_EMOJI), PROMPT_SCORED),
+        (echoes(CJK_EMOJI), PROMPT_SCORED),
     ),
-    Spec("echo", "completions", _completion(ENGLISH, 43, echo=True, max_tokens=8), (_echoes(ENGLISH),)),
+    Spec("echo", "completions", _completion(ENGLISH, 43, echo=True, max_tokens=8), (echoes(ENGLISH),)),
     Spec(
         "echo-token-prompt",
         "completions",
@@ -457,7 +361,7 @@ SPECS: list[Spec] = [
             "top_logprobs": 2,
             "max_tokens": 8,
         },
-        (_echoes("Once upon a time"), CHAT_TOP2),
+        (echoes("Once upon a time"), CHAT_TOP2),
     ),
     # in-band engine errors: a stream's error event, a whole answer's status and body
     Spec(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,29 +27,35 @@ import httpx
 
 from ext_proc.tools.conformance.core import (
     Answer,
+    BodyCase,
     Expect,
+    Json,
+    TypedStream,
     answer_of,
     http_status,
+    in_both_modes,
     normalize_body_error,
+    normalized_is,
     posted,
+    present,
     run_with,
-    split_events,
 )
-from ext_proc.tools.conformance.openai_cases import LETTERS_REGEX, hermes_tool_call_regex
+from ext_proc.tools.conformance.openai_cases import (
+    CITY_SCHEMA,
+    ENGLISH,
+    LETTERS_REGEX,
+    NO_THINK,
+    hermes_tool_call_regex,
+)
 
-Json = dict[str, Any]
 PATH = "/v1/responses"
 ECHOED = ("object", "model", "status", "incomplete_details", "instructions", "max_output_tokens", "temperature")
 ECHOED_TOO = ("top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "truncation", "error")
 
 
-def _present(value: Any) -> str:
-    return "present" if value else "missing"
-
-
 def _item(item: Mapping[str, Any]) -> Json:
     kind = item.get("type")
-    out: Json = {"type": kind, "id": _present(item.get("id")), "status": item.get("status")}
+    out: Json = {"type": kind, "id": present(item.get("id")), "status": item.get("status")}
     if kind == "message":
         out["role"] = item.get("role")
         out["content"] = [{k: part.get(k) for k in ("type", "text", "logprobs")} for part in item.get("content") or []]
@@ -59,7 +64,7 @@ def _item(item: Mapping[str, Any]) -> Json:
         out["summary"] = [part.get("text") for part in item.get("summary") or []]
     elif kind == "function_call":
         out["name"] = item.get("name")
-        out["call_id"] = _present(item.get("call_id"))
+        out["call_id"] = present(item.get("call_id"))
         try:
             out["arguments"] = json.loads(str(item.get("arguments")))
         except json.JSONDecodeError:
@@ -70,7 +75,7 @@ def _item(item: Mapping[str, Any]) -> Json:
 def normalize_response(body: Mapping[str, Any]) -> Answer:
     """A whole Responses answer (or the one `response.completed` carries)."""
     normalized = {key: body.get(key) for key in (*ECHOED, *ECHOED_TOO)}
-    normalized["id"] = _present(body.get("id"))
+    normalized["id"] = present(body.get("id"))
     normalized["output"] = [_item(item) for item in body.get("output") or []]
     normalized["usage"] = body.get("usage")
     return Answer(normalized)
@@ -86,22 +91,14 @@ def _event_key(data: Mapping[str, Any]) -> str:
 
 
 def normalize_stream(raw: bytes) -> Answer:
-    events, problems = split_events(raw)
-    if not events or events[0][0] != "response.created":
-        problems.append("stream: the first event is not response.created")
-    if b"[DONE]" in raw:
-        problems.append("stream: a [DONE] in a Responses stream")
-    numbers = [data.get("sequence_number") for _, data in events]
-    if numbers != list(range(len(events))):
-        problems.append(f"stream: sequence numbers {numbers[:12]} are not 0, 1, 2, ...")
-    sequence: list[str] = []
+    stream = TypedStream.read(raw, "Responses", "response.created", "response.completed", _event_key)
+    numbers = [data.get("sequence_number") for _, data in stream.events]
+    if numbers != list(range(len(stream.events))):
+        stream.problems.append(f"stream: sequence numbers {numbers[:12]} are not 0, 1, 2, ...")
     text: dict[str, str] = {}
     final: Answer | None = None
     error = None
-    for _, data in events:
-        key = _event_key(data)
-        if not sequence or sequence[-1] != key:
-            sequence.append(key)
+    for _, data in stream.events:
         kind = data.get("type")
         if str(kind).endswith(".delta"):  # what a client accumulates, per item and part
             slot = f"{kind}[{data.get('output_index')}][{data.get('content_index')}]"
@@ -110,27 +107,16 @@ def normalize_stream(raw: bytes) -> Answer:
             final = normalize_response(data.get("response") or {})
         elif kind == "error":
             error = {k: data.get(k) for k in ("code", "message", "param")}
-    if error is None and (not events or events[-1][0] != "response.completed"):
-        problems.append("stream: the last event is not response.completed")
     normalized = dict(final.normalized) if final is not None else {}
-    normalized.update(events=sequence, deltas=text)
-    if error is not None:
-        normalized["error"] = error
-    return Answer(normalized, problems)
+    normalized.update(events=stream.sequence, deltas=text)
+    return stream.answer(normalized, error)
 
 
 # --------------------------------------------------------------------------- cases
 
 
-@dataclass(frozen=True)
-class ResponsesCase:
-    name: str
-    body: Mapping[str, Any]  # without model and stream
-    expect: tuple[Expect, ...] = ()
-    stream: bool = False
-
-    def request(self, model: str) -> Json:
-        return {"model": model, **self.body, "stream": self.stream}  # a case naming its own model keeps it
+class ResponsesCase(BodyCase):
+    """A Responses case (one body to `PATH`, whole or streamed)."""
 
 
 def _has_item(kind: str) -> Expect:
@@ -144,29 +130,14 @@ def _calls(n: int) -> Expect:
     )
 
 
-def _answer_status(status: str) -> Expect:
-    return Expect(f"status {status!r}", lambda a: a.normalized.get("status") == status)
-
-
 TOOL = {
     "type": "function",
     "name": "get_weather",
     "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-CITY_FORMAT = {
-    "type": "json_schema",
-    "name": "city",
-    "schema": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "東京 🗼"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-}
-NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+CITY_FORMAT = {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA}
 GREEDY = {"temperature": 0.0}
-ENGLISH = "Tell me a story about a brave little robot."
 HISTORY: list[Json] = [
     {"role": "user", "content": "What is the weather in Paris?"},
     {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
@@ -197,7 +168,7 @@ def _forced(*cities: str, **extra: Any) -> Json:
 
 
 SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
-    ("text", _ask(ENGLISH, 12, **NO_THINK), (HAS_TEXT, _answer_status("incomplete"))),
+    ("text", _ask(ENGLISH, 12, **NO_THINK), (HAS_TEXT, normalized_is("status", "incomplete"))),
     ("thinking", _ask(ENGLISH, 12), (HAS_REASONING,)),
     ("instructions", _ask(ENGLISH, 8, instructions="You are terse.", **NO_THINK), (HAS_TEXT,)),
     (
@@ -222,7 +193,7 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
     (
         "stop",
         _ask(ENGLISH, 40, stop=["e"], structured_outputs={"regex": LETTERS_REGEX}, **NO_THINK),
-        (HAS_TEXT, _answer_status("completed")),
+        (HAS_TEXT, normalized_is("status", "completed")),
     ),
     ("tool-call", _forced("Paris"), (_calls(1),)),
     ("tool-calls", _forced("Paris", "東京 🗼"), (_calls(2),)),
@@ -242,11 +213,7 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
         (HAS_LOGPROBS,),
     ),
 ]
-CASES: list[ResponsesCase] = [
-    ResponsesCase(f"responses-{name}-{'stream' if stream else 'full'}", body, expect, stream)
-    for name, body, expect in SPECS
-    for stream in (False, True)
-] + [
+CASES: list[ResponsesCase] = in_both_modes(ResponsesCase, "responses", SPECS) + [
     # with reasoning, native puts every output token's logprobs on the message (sampled: greedy
     # never ends the reasoning); whole only: a stream shows those of content steps, and of
     # reasoning steps its engine happened to merge into them
