@@ -28,7 +28,8 @@ from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
-from ext_proc.planning.planner import Planner, token_only_required
+from ext_proc.planning.planner import Planner
+from ext_proc.planning.refusals import token_only_required
 from ext_proc.response_handlers import Outs, error_answer, replay_native
 from scheduler import Scheduler
 

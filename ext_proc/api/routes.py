@@ -11,6 +11,7 @@ from ext_proc.api.messages import MessagesApi
 from ext_proc.api.openai import OpenAIApi
 from ext_proc.api.responses import ENDPOINT, ResponsesApi, render_route
 from ext_proc.api.responses_answer import ResponsesServing
+from ext_proc.api.tokenize import TokenizeApi
 from ext_proc.config import ModelConfig
 from ext_proc.derender.model import DerenderModel
 from ext_proc.frontend.render import Renderer
@@ -48,6 +49,7 @@ def client_apis(
         OpenAIApi(planner, model),
         MessagesApi(planner, renderer, model.served_name),
         ResponsesApi(planner, responses),
+        TokenizeApi(renderer, model.served_name),
     ]
     return {handler: api for api in apis for handler in api.handlers}
 

@@ -10,9 +10,7 @@ and a parser-enabled stream gets its logprobs back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import httpx
@@ -21,8 +19,19 @@ import orjson
 from ext_proc.config import RenderConfig
 from ext_proc.derender.chat import ChatStream
 from ext_proc.derender.in_process import derender_whole
-from ext_proc.derender.logprobs import chat_logprobs, trim_chat_candidates, trim_completion_candidates
-from ext_proc.derender.model import DerenderModel, cached_tokens
+from ext_proc.derender.logprobs import chat_logprobs
+from ext_proc.derender.model import DerenderModel
+from ext_proc.derender.sidecar_corrections import (
+    StopCut,
+    cut_fields,
+    drop_stop_token,
+    prompt_details,
+    shown_candidates,
+    stop_cuts,
+    stop_strings,
+    tool_calls_finish_reason,
+    without_nulls,
+)
 from ext_proc.derender.streaming import sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_response
@@ -98,13 +107,13 @@ class SidecarDerender:
         """One derender of a whole non-streaming GenerateResponse -> the OpenAI JSON body."""
         prompt = request.prompts[prompt_index]
         request = replace(request, prompts=[prompt])
-        trim = _shown_candidates(request)
+        trim = shown_candidates(request)
         generate = generate_response(generate_body)
         # usage's reasoning_tokens come from the engine's own ids, before the corrections below
         reasoning = await self._reasoning_details(request, generate)
         if trim is not None:
             trim(generate)
-        dropped = _drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
+        dropped = drop_stop_token(generate, keep_one=True)  # batch derender rejects empty ids
         if trim is not None or dropped:
             generate_body = orjson.dumps(generate)
         if request.api is Pipeline.CHAT:
@@ -132,16 +141,16 @@ class SidecarDerender:
             # the engine's count, with the stop token derender was not shown
             for key in ("completion_tokens", "total_tokens"):
                 result["usage"][key] = generate["usage"].get(key, result["usage"].get(key))
-        _prompt_details(self._model, result.get("usage"), request.api, generate.get("usage"), whole=True)
+        prompt_details(self._model, result.get("usage"), request.api, generate.get("usage"), whole=True)
         if request.api is Pipeline.CHAT:
-            _tool_calls_finish_reason(result, request.request.body)
+            tool_calls_finish_reason(result, request.request.body)
             if reasoning is not None and isinstance(result.get("usage"), dict):
                 result["usage"]["completion_tokens_details"] = reasoning
         for choice, stop in zip(
-            result.get("choices") or [], _stop_cuts(request, len(result.get("choices") or [])), strict=False
+            result.get("choices") or [], stop_cuts(request, len(result.get("choices") or [])), strict=False
         ):
             if stop is not None:
-                _cut_fields(choice.get("message") or choice, stop, final=True)
+                cut_fields(choice.get("message") or choice, stop, final=True)
         self._prompt_logprobs(result, request, generate)
         return orjson.dumps(result)
 
@@ -164,129 +173,6 @@ class SidecarDerender:
             return None
         native = orjson.loads(await asyncio.to_thread(derender_whole, self._model, request, generate))
         return native["usage"]["completion_tokens_details"]
-
-
-def _drop_stop_token(generate: dict[str, Any], keep_one: bool = False) -> bool:
-    """Native serving never detokenizes the EOS or stop-token id that ended generation (the
-    engine's detokenizer skips it); vLLM 0.32's derender does, and with a parser configured
-    (special tokens kept) `<|im_end|>` would reach the client. Removes it in place."""
-    dropped = False
-    for choice in generate.get("choices") or []:
-        ids = choice.get("token_ids") or []
-        stop_reason = choice.get("stop_reason")
-        if choice.get("finish_reason") == "stop" and not isinstance(stop_reason, str) and len(ids) > keep_one:
-            choice["token_ids"] = ids[:-1]
-            dropped = True
-    return dropped
-
-
-def _stop_strings(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if body.get("include_stop_str_in_output") or not stop:
-        return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str) and s]
-
-
-def _stop_cuts(request: TokenizedRequest, n: int) -> list[_StopCut | None]:
-    stops = _stop_strings(request.request.body)
-    return [_StopCut(stops) if stops else None for _ in range(n)]
-
-
-_TEXT_FIELDS = ("reasoning", "content", "text")
-
-
-def _cut_fields(holder: dict[str, Any], stop: _StopCut, final: bool) -> None:
-    """Applies `stop` to a delta/message/completion choice's text fields, in text order."""
-    pieces = [(f, holder[f]) for f in _TEXT_FIELDS if isinstance(holder.get(f), str) and holder[f]]
-    kept: dict[str, str] = {}
-    for field, text in stop.feed(pieces, final):
-        kept[field] = kept.get(field, "") + text
-    for field in _TEXT_FIELDS:
-        if isinstance(holder.get(field), str):
-            holder[field] = kept.get(field, "" if field == "text" else None)
-
-
-def _prompt_details(model: DerenderModel, usage: Any, api: Pipeline, generate_usage: Any, whole: bool) -> None:
-    """The engine's cached tokens as native's `prompt_tokens_details` (derender drops them),
-    in native's place: before the completion's details."""
-    cached = cached_tokens(generate_usage)
-    if cached is None or not isinstance(usage, dict):
-        return
-    completion = usage.pop("completion_tokens_details", None)
-    details = model.prompt_details(api is Pipeline.CHAT, int(usage["prompt_tokens"]), cached, whole)
-    usage["prompt_tokens_details"] = details
-    if completion is not None or whole:
-        usage["completion_tokens_details"] = completion
-
-
-class _StopCut:
-    """Stop strings as the engine's detokenizer applies them, on text the sidecar already
-    derendered: text that could begin a stop string is held back, and the text from a stop
-    string on is never sent. vLLM 0.32's derender does neither."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self._stops = stops
-        self._hold = max(len(s) for s in stops) - 1
-        self._pending: list[tuple[str, str]] = []  # (field, text) not sent yet
-        self._stopped = False
-
-    def feed(self, pieces: list[tuple[str, str]], final: bool) -> list[tuple[str, str]]:
-        if self._stopped:
-            return []
-        self._pending += pieces
-        text = "".join(t for _, t in self._pending)
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        if found:
-            self._stopped = True
-            return self._take(min(found), drop_rest=True)
-        return self._take(len(text) if final else max(len(text) - self._hold, 0))
-
-    def _take(self, n: int, drop_rest: bool = False) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        while self._pending and n > 0:
-            field, text = self._pending.pop(0)
-            if len(text) > n:
-                self._pending.insert(0, (field, text[n:]))
-                text = text[:n]
-            if out and out[-1][0] == field:
-                out[-1] = (field, out[-1][1] + text)
-            else:
-                out.append((field, text))
-            n -= len(text)
-        if drop_rest:
-            self._pending = []
-        return out
-
-
-def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    return value
-
-
-def _shown_candidates(request: TokenizedRequest) -> Callable[[dict[str, Any]], None] | None:
-    """What keeps, of generate's candidates, those the client is shown (vLLM's `/derender`
-    shows every candidate it gets), when the client asked for logprobs."""
-    body = request.request.body
-    top = body.get("logprobs")
-    if request.api is Pipeline.COMPLETIONS:
-        return partial(trim_completion_candidates, top=top) if isinstance(top, int) and top >= 0 else None
-    return partial(trim_chat_candidates, top=body.get("top_logprobs")) if top else None
-
-
-def _tool_calls_finish_reason(result: dict[str, Any], body: dict[str, Any]) -> None:
-    """Native serving reports `tool_calls` when the answer called tools (auto or required);
-    vLLM 0.32's derender passes the engine's `stop` through."""
-    tool_choice = body.get("tool_choice")
-    if isinstance(tool_choice, dict):  # a named function: native keeps the engine's reason
-        return
-    for choice in result.get("choices") or []:
-        message = choice.get("message") or {}
-        called = bool(message.get("tool_calls"))
-        if (called and tool_choice in (None, "auto")) or (
-            tool_choice == "required" and choice.get("finish_reason") == "stop"
-        ):
-            choice["finish_reason"] = "tool_calls"
 
 
 class SidecarStream:
@@ -317,12 +203,12 @@ class SidecarStream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         count = request.api is Pipeline.CHAT and include_usage and model.include_reasoning_details
         self._events: list[dict[str, Any]] | None = [] if count else None
-        self._stops: dict[int, _StopCut] = {}
+        self._stops: dict[int, StopCut] = {}
         self._text_offsets: dict[int, int] = {}
-        self._stop_strings = _stop_strings(body)
+        self._stop_strings = stop_strings(body)
         self._top_logprobs = body.get("top_logprobs")
         self._as_ids = bool(body.get("return_tokens_as_token_ids"))
-        self._trim = _shown_candidates(request)
+        self._trim = shown_candidates(request)
         self._logprob_context: dict[int, list[int]] = {}
         self._opened: set[int] = set()  # chat choices whose role chunk went out
         self.completion_tokens = 0
@@ -339,7 +225,7 @@ class SidecarStream:
             if self._trim is not None:
                 self._trim(event)
                 payload = b""
-            if _drop_stop_token(event):
+            if drop_stop_token(event):
                 payload = b""
             out += await self._step(event, payload or orjson.dumps(event))
         return bytes(out)
@@ -364,8 +250,8 @@ class SidecarStream:
         for choice in chunk.get("choices") or ():
             choice["index"] = int(choice.get("index", 0)) + self._index_shift
         if not choices:  # the usage chunk: native serializes it without nulls
-            chunk = _without_nulls(chunk)
-            _prompt_details(self._model, chunk.get("usage"), self._request.api, event.get("usage"), whole=False)
+            chunk = without_nulls(chunk)
+            prompt_details(self._model, chunk.get("usage"), self._request.api, event.get("usage"), whole=False)
             if self._events is not None and isinstance(chunk.get("usage"), dict):
                 chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": await self._reasoning_tokens()}
         if self._request.api is Pipeline.CHAT and index >= 0:
@@ -403,9 +289,9 @@ class SidecarStream:
                 self._text_offsets[index] = offset
 
     def _cut_stop_strings(self, chunk: dict[str, Any], index: int, final: bool) -> None:
-        stop = self._stops.setdefault(index, _StopCut(self._stop_strings))
+        stop = self._stops.setdefault(index, StopCut(self._stop_strings))
         for choice in chunk.get("choices") or []:
-            _cut_fields(choice.get("delta") or choice, stop, final)
+            cut_fields(choice.get("delta") or choice, stop, final)
 
     def _add_logprobs(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
         assert self._fix_logprobs is not None

@@ -13,8 +13,8 @@ from google.protobuf import struct_pb2
 from ext_proc.envoy_protocol.verdicts import ATTEMPT_COUNT_HEADER, UPSTREAM_HOST_HEADER
 from ext_proc.errors import error_code
 from ext_proc.observability.request import RequestRecord
+from ext_proc.planning.bodies import routed_body
 from ext_proc.planning.plan import Native, TokenOnly
-from ext_proc.planning.planner import routed_body
 from ext_proc.protocol import GENERATE_PATH
 from ext_proc.response_handlers import Chunk, Head, Out
 from protos.stubs import core_pb, ext_proc_pb, type_pb

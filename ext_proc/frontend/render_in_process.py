@@ -135,14 +135,14 @@ class InProcessRender:
         route = self.routes.get(endpoint)
         if route is None:  # as the sidecar answers a route it does not serve
             return 404, b'{"detail":"Not Found"}'
-        try:
-            parsed = route.model().model_validate(orjson.loads(raw))
-        except ValidationError as exc:
-            return await self._invalid(exc)
         caller = self._caller(request_id)
         try:
+            parsed = route.model().model_validate(orjson.loads(raw))
             result: Any = await route.render(self._serving, parsed, caller)
-        except Exception as exc:  # what the sidecar's exception handlers answer (400 for bad input)
+        except ValidationError as exc:
+            return await self._invalid(exc)
+        except Exception as exc:  # what the sidecar's exception handlers answer (400 for bad input,
+            # also a request model's own VLLMValidationError, which FastAPI lets through to them)
             from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
 
             log.info("in-process render raised %r", exc)

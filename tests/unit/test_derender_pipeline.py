@@ -163,9 +163,9 @@ async def test_events_waiting_together_are_one_step_per_choice() -> None:
 
 
 def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
-    from ext_proc.derender.sidecar import _StopCut
+    from ext_proc.derender.sidecar_corrections import StopCut
 
-    stop = _StopCut(["END!", "xyz"])
+    stop = StopCut(["END!", "xyz"])
     assert stop.feed([("reasoning", "think "), ("content", "ab")], final=False) == [("reasoning", "think")]
     assert stop.feed([("content", "cE")], final=False) == [
         ("reasoning", " "),
@@ -176,9 +176,9 @@ def test_sidecar_stop_strings_are_held_back_and_cut_across_fields() -> None:
 
 
 def test_sidecar_text_held_back_is_flushed_at_the_finish() -> None:
-    from ext_proc.derender.sidecar import _StopCut
+    from ext_proc.derender.sidecar_corrections import StopCut
 
-    stop = _StopCut(["END!"])
+    stop = StopCut(["END!"])
     assert stop.feed([("text", "hello E")], final=False) == [("text", "hell")]
     assert stop.feed([("text", "N")], final=True) == [("text", "o EN")]  # no stop string came
 
