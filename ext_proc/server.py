@@ -131,8 +131,8 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
         renderer = await InProcessRender.load(
             config.model, render.prefix_cache, render.prefix_cache_max_ids, render.reuse_parsers
         )
-        for endpoint, route in render_routes().items():  # what the client APIs render beyond chat and completions
-            renderer.serve(endpoint, route)
+        for path, route in render_routes().items():  # what the client APIs need beyond chat and completions
+            renderer.serve(path, route)
         members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
         members = [

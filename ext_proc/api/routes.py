@@ -11,7 +11,7 @@ from ext_proc.api.messages import MessagesApi
 from ext_proc.api.openai import OpenAIApi
 from ext_proc.api.responses import ENDPOINT, ResponsesApi, render_route
 from ext_proc.api.responses_answer import ResponsesServing
-from ext_proc.api.tokenize import TokenizeApi
+from ext_proc.api.tokenize import TokenizeApi, in_process_routes
 from ext_proc.config import ModelConfig
 from ext_proc.derender.model import DerenderModel
 from ext_proc.frontend.render import Renderer
@@ -55,6 +55,6 @@ def client_apis(
 
 
 def render_routes() -> dict[str, RenderRoute]:
-    """The routes of vLLM's render server that client APIs add to the pipelines' own (for
-    the renderer loaded in process)."""
-    return {ENDPOINT: render_route()}
+    """The routes of vLLM's render server, by path, that client APIs add to the pipelines'
+    render routes (for the renderer loaded in process; the sidecar serves them all)."""
+    return {ENDPOINT + "/render": render_route(), **in_process_routes()}

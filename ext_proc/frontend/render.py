@@ -39,6 +39,11 @@ class Renderer(Protocol):
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest: ...
 
+    async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
+        """Render's own status and body on another of its routes (`/tokenize`, ...), as its
+        route answers; `RenderUnavailable` when the endpoint cannot be reached."""
+        ...
+
 
 class RenderClient:
     """One render endpoint over HTTP (the pool, `render_pool.py`, balances several)."""
@@ -50,9 +55,12 @@ class RenderClient:
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         """`raw`: the client's body as it came (render validates it like vLLM serving)."""
+        return rendered(request, *await self.answer(request.endpoint + "/render", raw, request_id))
+
+    async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
         try:
             response = await self._http.post(
-                self._base + request.endpoint + "/render",
+                self._base + path,
                 content=raw,
                 headers={"content-type": "application/json", "x-request-id": request_id},
                 timeout=self._timeout,
@@ -61,7 +69,7 @@ class RenderClient:
             raise RenderUnavailable("timeout", repr(exc)) from exc
         except httpx.HTTPError as exc:
             raise RenderUnavailable("unavailable", repr(exc)) from exc
-        return rendered(request, response.status_code, response.content)
+        return response.status_code, response.content
 
 
 def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedRequest:
@@ -77,6 +85,27 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
     except orjson.JSONDecodeError as exc:
         raise RenderUnavailable("invalid_response", "render returned invalid JSON") from exc
     return tokenized(request, parsed)
+
+
+def answered_on(path: str, status: int, body: bytes) -> tuple[int, bytes]:
+    """Render's answer on a route other than render (`RenderClient.answer`) as an outcome: its
+    own status and body, errors included, passed on unchanged; `RenderUnavailable` when the
+    endpoint failed (5xx, 429, no JSON object) or does not serve the route."""
+    error = _is_openai_error(body)
+    if status in UNSUPPORTED_STATUSES and not error:
+        raise RenderUnavailable("unsupported", f"HTTP {status} on {path}")
+    if status == 429 or (status >= 500 and not (status == 501 and error)):
+        raise RenderUnavailable("unavailable", f"HTTP {status} on {path}")
+    if status == 200 and not _is_json_object(body):
+        raise RenderUnavailable("invalid_response", f"render answered {path} with no JSON object")
+    return status, body
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _is_openai_error(body: bytes) -> bool:

@@ -67,7 +67,8 @@ class InProcessRender:
         self._args = args
         self.prefix_cache = prefix_cache  # token ids per piece of chat text (None: off)
         self.parsers = parsers  # parsers built once per distinct construction (None: off)
-        self.routes: dict[str, RenderRoute] = {Pipeline.CHAT.value: _CHAT, Pipeline.COMPLETIONS.value: _COMPLETIONS}
+        # the render server's routes it answers, by path (`serve` adds a client API's)
+        self.routes = {Pipeline.CHAT.value + "/render": _CHAT, Pipeline.COMPLETIONS.value + "/render": _COMPLETIONS}
 
     @classmethod
     async def load(
@@ -105,34 +106,34 @@ class InProcessRender:
         parsers = render_parser_cache.install(serving.online_renderer) if reuse_parsers else None
         return cls(serving, args, cache, parsers)
 
-    def serve(self, endpoint: str, route: RenderRoute) -> None:
-        """Render the bodies of `endpoint` as vLLM's render server does at `endpoint + /render`
-        (chat and completions are built in; a client API room adds its own)."""
-        self.routes[endpoint] = route
+    def serve(self, path: str, route: RenderRoute) -> None:
+        """Answer `path` as vLLM's render server's route of that path does (chat and
+        completions render are built in; a client API room adds its own)."""
+        self.routes[path] = route
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
-        status, answer = await self._result(request.endpoint, raw, request_id)
+        status, answer = await self._result(request.endpoint + "/render", raw, request_id)
         if isinstance(answer, bytes):
             return rendered(request, status, answer)
         # vLLM's GenerateRequest(s) as the JSON the sidecar would send, without writing and
         # parsing that JSON (0.2 ms per request)
         return tokenized(request, _dumped(answer, mode="json"))
 
-    async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
-        """(status, body) as the sidecar's route would answer."""
+    async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
+        """(status, body) as the sidecar's route `path` would answer."""
         from fastapi.responses import JSONResponse
 
-        status, answer = await self._result(endpoint, raw, request_id)
+        status, answer = await self._result(path, raw, request_id)
         if isinstance(answer, bytes):
             return status, answer
         return status, bytes(JSONResponse(content=_dumped(answer, mode="python")).body)
 
-    async def _result(self, endpoint: str, raw: bytes, request_id: str) -> tuple[int, Any]:
+    async def _result(self, path: str, raw: bytes, request_id: str) -> tuple[int, Any]:
         """(status, error body) as the sidecar's route would answer, or (200, what vLLM rendered)."""
         from fastapi.responses import JSONResponse
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        route = self.routes.get(endpoint)
+        route = self.routes.get(path)
         if route is None:  # as the sidecar answers a route it does not serve
             return 404, b'{"detail":"Not Found"}'
         caller = self._caller(request_id)

@@ -24,19 +24,20 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
-from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable
+from ext_proc.frontend.render import Renderer, RenderRejected, RenderUnavailable, answered_on
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache
 from ext_proc.observability.request import current
 from ext_proc.protocol import OpenAIRequest, Pipeline, TokenizedRequest
 from scheduler import BreakerConfig, BreakerState, CircuitBreaker
 
 log = logging.getLogger("tito.render")
+T = TypeVar("T")
 
 # Worth another endpoint: the endpoint, not the request, failed. (`unsupported` and
 # `invalid_response` are the same on every endpoint of a base model.)
@@ -115,17 +116,31 @@ class RenderPool:
     # -- a request's render
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        return await self._through(len(raw), request_id, lambda renderer: renderer.render(request, raw, request_id))
+
+    async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
+        """Render's own answer on another of its routes (`/tokenize`, ...), through the same
+        endpoints, breakers and retry as a render (`render.answered` judges it)."""
+
+        async def answered(renderer: Renderer) -> tuple[int, bytes]:
+            return answered_on(path, *await renderer.answer(path, raw, request_id))
+
+        return await self._through(len(raw), request_id, answered)
+
+    async def _through(self, size: int, request_id: str, call: Callable[[Renderer], Awaitable[T]]) -> T:
+        """`call` on the endpoint picked for a body of `size` bytes, once more on another when
+        that endpoint failed; `RenderUnavailable` when none could answer."""
         tried: list[RenderMember] = []
         failure: RenderUnavailable | None = None
         while len(tried) < 2:
-            member = self._pick(len(raw), tried)
+            member = self._pick(size, tried)
             if member is None:
                 break
             if failure is not None:
                 tried[-1].outcomes["retried"] += 1
             tried.append(member)
             try:
-                tokenized = await self._attempt(member, request, raw, request_id)
+                answer = await self._attempt(member, call, size)
             except RenderUnavailable as exc:
                 log.warning("render endpoint %s failed for %s (%s)", member.name, request_id, exc)
                 failure = exc
@@ -135,7 +150,7 @@ class RenderPool:
             if (record := current()) is not None:
                 record.render_endpoint = member.name
                 record.render_retried = f"{tried[0].name}/{failure.reason}" if failure is not None else ""
-            return tokenized
+            return answer
         if failure is not None:
             raise failure
         if all(m.held_out for m in self.members):
@@ -160,18 +175,16 @@ class RenderPool:
             return next(m for m, wait in zip(closed, waits, strict=True) if wait <= COMPARABLE * best)
         return next((m for m in candidates if m.breaker.allows(now)), None)
 
-    async def _attempt(
-        self, member: RenderMember, request: OpenAIRequest, raw: bytes, request_id: str
-    ) -> TokenizedRequest:
+    async def _attempt(self, member: RenderMember, call: Callable[[Renderer], Awaitable[T]], size: int) -> T:
         member.breaker.on_dispatch()
         member.in_flight += 1
-        member.outstanding_bytes += len(raw)
+        member.outstanding_bytes += size
         started = time.perf_counter()
         outcome = "abandoned"
         try:
-            tokenized = await member.renderer.render(request, raw, request_id)
+            answer = await call(member.renderer)
             outcome = "ok"
-            return tokenized
+            return answer
         except RenderRejected:
             outcome = "rejected"  # render works; the request is wrong
             raise
@@ -180,7 +193,7 @@ class RenderPool:
             raise
         finally:
             member.in_flight -= 1
-            member.outstanding_bytes -= len(raw)
+            member.outstanding_bytes -= size
             self._settle(member, outcome, time.perf_counter() - started)
 
     def _settle(self, member: RenderMember, outcome: str, seconds: float) -> None:

@@ -62,7 +62,7 @@ def test_in_process_render_answers_what_the_sidecar_answers(
     api, body = CASES[case]
     raw = orjson.dumps(body)
     sidecar = _sidecar(stack, api, raw, "parity-1")
-    local = asyncio.run(in_process._answer(api.value, raw, "parity-1"))
+    local = asyncio.run(in_process.answer(api.value + "/render", raw, "parity-1"))
     assert local[0] == sidecar[0]
     assert orjson.loads(local[1]) == orjson.loads(sidecar[1])
     request = OpenAIRequest(api, body)

@@ -218,7 +218,7 @@ def test_in_process_render_with_the_cache_answers_as_without(renders: tuple[Any,
         bodies.append(orjson.dumps(body))
 
     async def answers(render: Any) -> list[tuple[int, bytes]]:
-        return [await render._answer(Pipeline.CHAT.value, raw, f"r{i}") for i, raw in enumerate(bodies)]
+        return [await render.answer(Pipeline.CHAT.value + "/render", raw, f"r{i}") for i, raw in enumerate(bodies)]
 
     with_cache, without = asyncio.run(answers(cached)), asyncio.run(answers(plain))
     assert [s for s, _ in with_cache].count(200) > 250

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from ext_proc.api.tokenize import TokenizeApi, in_process_routes
+from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.render_in_process import InProcessRender
 from ext_proc.frontend.render_pool import RenderMember, RenderPool, pool_member
 from ext_proc.planning.plan import Local
@@ -54,22 +55,24 @@ class FakeInProcess(InProcessRender):
 
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(serving=None, args=None)
-        self.answer = (status, body)
+        self.answered = (status, body)
         self.asked: list[tuple[str, bytes]] = []
 
-    async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
-        self.asked.append((endpoint, raw))
-        return self.answer
+    async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
+        self.asked.append((path, raw))
+        return self.answered
 
 
-def _pool(*hosts: str) -> RenderPool:
-    members = [pool_member(f"{h}:8100", f"http://{h}:8100", renderer=None, cooldown_s=5.0) for h in hosts]  # type: ignore[arg-type]
-    return RenderPool(members, "tiny", p99_budget_ms=1000.0)
-
-
-def _api(pool: RenderPool | None, sidecars: Sidecars, clock: Callable[[], float] = lambda: 0.0) -> TokenizeApi:
+def _pool(sidecars: Sidecars, *hosts: str, clock: Callable[[], float] = lambda: 0.0) -> RenderPool:
+    """The render pool's sidecar endpoints, as the server builds them, over `sidecars`."""
     http = httpx.AsyncClient(transport=httpx.MockTransport(sidecars.handle))
-    return TokenizeApi(pool, "tiny", http=http, clock=clock)
+    urls = [f"http://{h}:8100" for h in hosts]
+    members = [pool_member(url.removeprefix("http://"), url, RenderClient(url, 5000, http), 5.0) for url in urls]
+    return RenderPool(members, "tiny", p99_budget_ms=1000.0, clock=clock)
+
+
+def _api(pool: RenderPool | None) -> TokenizeApi:
+    return TokenizeApi(pool, "tiny")
 
 
 async def _plan(api: TokenizeApi, handler: str, body: dict[str, Any]) -> Local:
@@ -105,8 +108,8 @@ async def test_renders_status_and_body_come_back_unchanged_from_its_route(
 ) -> None:
     sidecars = Sidecars()
     sidecars.answer("r1", status, answer)
-    pool = _pool("r1")
-    plan = await _plan(_api(pool, sidecars), handler, body)
+    pool = _pool(sidecars, "r1")
+    plan = await _plan(_api(pool), handler, body)
     assert plan == Local(status, answer)
     assert sidecars.calls == [("r1", f"/{handler}", orjson.dumps(body), "rid-1")]
     assert _breaker(pool, 0) is BreakerState.CLOSED  # a verdict on the request, not the endpoint
@@ -125,14 +128,14 @@ async def test_render_gets_the_body_named_after_the_base_model(body: dict[str, A
     sidecars = Sidecars()
     sidecars.answer("r1", 200, TOKENS)
     raw = orjson.dumps(body, option=orjson.OPT_INDENT_2)  # the client's own bytes
-    await _api(_pool("r1"), sidecars).plan("tokenize", body, raw, "rid-1")
+    await _api(_pool(sidecars, "r1")).plan("tokenize", body, raw, "rid-1")
     [(_, _, content, _)] = sidecars.calls
     assert content == raw if sent is None else orjson.loads(content) == sent
 
 
 async def test_without_render_it_is_a_503_render_unavailable() -> None:
     sidecars = Sidecars()
-    plan = await _plan(_api(None, sidecars), "tokenize", PROMPT)
+    plan = await _plan(_api(None), "tokenize", PROMPT)
     assert plan.status == 503
     assert _error(plan)["code"] == "render_unavailable" and "disabled" in _error(plan)["message"]
     assert sidecars.calls == []
@@ -142,8 +145,8 @@ async def test_a_failing_endpoint_opens_its_breaker_and_another_one_answers() ->
     sidecars = Sidecars()
     sidecars.answer("r1", 500, b'{"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}')
     sidecars.answer("r2", 200, TOKENS)
-    pool = _pool("r1", "r2")
-    plan = await _plan(_api(pool, sidecars), "tokenize", PROMPT)
+    pool = _pool(sidecars, "r1", "r2")
+    plan = await _plan(_api(pool), "tokenize", PROMPT)
     assert plan == Local(200, TOKENS)
     assert [host for host, *_ in sidecars.calls] == ["r1", "r2"]
     assert (_breaker(pool, 0), _breaker(pool, 1)) == (BreakerState.OPEN, BreakerState.CLOSED)
@@ -153,8 +156,8 @@ async def test_when_no_endpoint_answers_it_is_a_503_and_open_breakers_are_skippe
     sidecars = Sidecars()
     sidecars.fail("r1")
     sidecars.fail("r2")
-    pool = _pool("r1", "r2")
-    api = _api(pool, sidecars)
+    pool = _pool(sidecars, "r1", "r2")
+    api = _api(pool)
     plan = await _plan(api, "detokenize", {"model": "tiny", "tokens": [1]})
     assert plan.status == 503 and _error(plan)["code"] == "render_unavailable"
     assert len(sidecars.calls) == 2 and _breaker(pool, 0) is _breaker(pool, 1) is BreakerState.OPEN
@@ -162,24 +165,24 @@ async def test_when_no_endpoint_answers_it_is_a_503_and_open_breakers_are_skippe
     assert again.status == 503 and len(sidecars.calls) == 2  # both cooling down: nothing tried
 
 
-async def test_an_endpoint_without_the_route_is_a_503_and_its_breaker_stays_closed() -> None:
-    """An older render server (404 without an OpenAI error) still renders chat: it is not
-    taken out of the pool for a route it does not have, nor asked twice."""
+async def test_an_endpoint_without_the_route_is_a_503_asked_once() -> None:
+    """An older render server (404 without an OpenAI error): the same on every endpoint of a
+    base model, so not asked twice (as a render it does not serve)."""
     sidecars = Sidecars()
     sidecars.answer("r1", 404, b'{"detail":"Not Found"}')
     sidecars.answer("r2", 404, b'{"detail":"Not Found"}')
-    pool = _pool("r1", "r2")
-    plan = await _plan(_api(pool, sidecars), "tokenize", PROMPT)
+    pool = _pool(sidecars, "r1", "r2")
+    plan = await _plan(_api(pool), "tokenize", PROMPT)
     assert plan.status == 503 and _error(plan)["code"] == "render_unavailable"
-    assert len(sidecars.calls) == 1 and _breaker(pool, 0) is BreakerState.CLOSED
+    assert len(sidecars.calls) == 1
 
 
 async def test_after_its_cool_down_an_endpoint_is_probed_and_rejoins_on_an_answer() -> None:
     now = [0.0]
     sidecars = Sidecars()
     sidecars.fail("r1")
-    pool = _pool("r1")
-    api = _api(pool, sidecars, clock=lambda: now[0])
+    pool = _pool(sidecars, "r1", clock=lambda: now[0])
+    api = _api(pool)
     assert (await _plan(api, "tokenize", PROMPT)).status == 503
     sidecars.answer("r1", 200, TOKENS)
     now[0] = 6.0  # past the 5 s cool-down
@@ -191,8 +194,7 @@ async def test_render_in_process_answers_through_vllms_tokenize_routes() -> None
     renderer = FakeInProcess(200, TOKENS)
     pool = RenderPool([pool_member("in_process", None, renderer, 5.0)], "tiny", 1000.0)
     sidecars = Sidecars()
-    api = _api(pool, sidecars)
-    assert {"/tokenize", "/detokenize"} <= set(renderer.routes)  # served beside chat and completions
+    api = _api(pool)
     assert await _plan(api, "tokenize", {"model": "tiny-alias", "prompt": "hi"}) == Local(200, TOKENS)
     assert renderer.asked == [("/tokenize", orjson.dumps({"model": "tiny", "prompt": "hi"}))]
     assert sidecars.calls == []
@@ -286,3 +288,9 @@ async def _envoy(path: str, body: dict[str, Any]) -> Any:
     yield ext_proc_pb.ProcessingRequest(request_headers=ext_proc_pb.HttpHeaders(headers=headers, end_of_stream=False))
     http_body = ext_proc_pb.HttpBody(body=orjson.dumps(body), end_of_stream=True)
     yield ext_proc_pb.ProcessingRequest(request_body=http_body)
+
+
+def test_the_in_process_renderer_is_given_the_routes_client_apis_need() -> None:
+    from ext_proc.api.routes import render_routes
+
+    assert {"/tokenize", "/detokenize", "/v1/responses/render"} <= set(render_routes())
