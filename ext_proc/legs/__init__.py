@@ -1,0 +1,3 @@
+"""A request's engine calls the processor makes itself: the Handoff prefill leg
+(`prefill.py`), Trigger's metaserver callback (`trigger.py`), generate calls (`generate.py`),
+a batch's fan-out and merge (`fanout.py`) and one prompt's relayed stream (`relay.py`)."""
