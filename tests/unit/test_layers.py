@@ -1,8 +1,9 @@
 """ext_proc's layout is its architecture: a module imports only from its own layer or below.
 
 Top to bottom: tools and the CLI → server/admin → envoy_protocol → services → the client APIs
-(`api/`, the only room that knows which API a request came in) → legs and the response handlers → fleet (what is learned about engines in the background) → planning →
-derender → frontend → the shared bottom (config, errors, protocol, ...). `scheduler/` is
+(`api/`, the only room that knows which API a request came in) → legs and the response
+handlers → fleet (what is learned about engines in the background) → planning → derender →
+frontend → the shared bottom (config, errors, protocol, ...). `scheduler/` is
 pure: it imports nothing of ext_proc and no I/O or asyncio."""
 
 from __future__ import annotations
