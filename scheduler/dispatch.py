@@ -12,7 +12,7 @@ it runs, then where a slot is free), and its prefix blocks are its adapter's own
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -24,6 +24,8 @@ from scheduler.ledger import TokenLedger
 from scheduler.lora import AdapterPlacement
 from scheduler.policies import Candidate, Policy
 from scheduler.prefix_index import PrefixIndex
+
+NO_RECORD = "no capability record yet"  # why a gated instance does not route before its probe
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,10 @@ class Scheduler:
         gated: bool = False,
         lora: AdapterPlacement | None = None,
     ) -> None:
-        self.pools = {p.role: p for p in pools if p.instances}
+        # A pool may start empty when its instances are discovered (they `join` later).
+        self.pools = {p.role: p for p in pools}
         if not (Role.UNION in self.pools or {Role.PREFILL, Role.DECODE} <= set(self.pools)):
-            raise ValueError("a union pool, or a prefill and a decode pool, with at least one instance each")
+            raise ValueError("a union pool, or a prefill and a decode pool")
         self.policy = policy
         self.ledger = ledger or TokenLedger()
         # One prefix index per pool that prefills (union, prefill), in its engines' block size;
@@ -137,6 +140,7 @@ class Scheduler:
         self.engine_loads = EngineLoads(engine_metrics_stale_s)
         self.max_fallbacks = max_fallbacks
         breaker = breaker or BreakerConfig()
+        self._breaker_config = breaker
         self.instances = [i for p in self.pools.values() for i in p.instances]
         self.breakers = {i.address: CircuitBreaker(breaker) for i in self.instances}
         # Engines without token-only generate (their capability record, or a 403/404/501 from
@@ -144,10 +148,47 @@ class Scheduler:
         self.token_only_unsupported: set[str] = set()
         # Engines that do not route, with why: no complete capability record yet (every one,
         # when `gated`: they join as their records arrive), or held out by it.
-        self.held_out: dict[str, str] = {i.address: "no capability record yet" for i in self.instances if gated}
+        self.gated = gated
+        self.held_out: dict[str, str] = {i.address: NO_RECORD for i in self.instances if gated}
         self.max_model_lens: dict[str, int] = {}  # what an engine's record says it holds (adopted)
         self.events_ignored: set[str] = set()  # KV events hashed unlike the index: routing records instead
         self.lora = lora or AdapterPlacement()  # which instances list and run which LoRA adapters
+
+    # -- membership: instances that join and leave a pool while it serves
+
+    def join(self, instance: Instance) -> None:
+        """A new instance of its role's pool. With capability negotiation on (`gated`) it
+        routes once its record arrives; its breaker, load and index state start empty."""
+        pool = self.pools.get(instance.role)
+        if pool is None or instance.address in self.breakers:
+            return
+        self.pools[instance.role] = replace(pool, instances=(*pool.instances, instance))
+        self.instances.append(instance)
+        self.breakers[instance.address] = CircuitBreaker(self._breaker_config)
+        if self.gated:
+            self.held_out[instance.address] = NO_RECORD
+
+    def leave(self, address: str) -> None:
+        """The instance left its pool: it takes no new leg, and every per-instance state goes
+        (breaker, records, load samples, index blocks, adapter listing). Legs running there
+        keep their leases until they finish (`finish` releases them as usual)."""
+        instance = next((i for i in self.instances if i.address == address), None)
+        if instance is None:
+            return
+        pool = self.pools[instance.role]
+        self.pools[instance.role] = replace(pool, instances=tuple(i for i in pool.instances if i.address != address))
+        self.instances.remove(instance)
+        del self.breakers[address]
+        for table in (self.held_out, self.max_model_lens):
+            table.pop(address, None)
+        self.token_only_unsupported.discard(address)
+        self.events_ignored.discard(address)
+        self.engine_loads.forget(address)
+        self.feeds.forget(address)
+        self.lora.forget(address)
+        index = self.prefix_indexes.get(instance.role)
+        if index is not None:
+            index.clear(address)
 
     @property
     def pool(self) -> Pool:
@@ -321,7 +362,7 @@ class Scheduler:
         """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
         breaker, least busy first, else any. It takes no lease and no half-open probe, and its
         outcome is never breaker input."""
-        instances = [i for i in self.pool.instances if i.address not in self.held_out] or self.pool.instances
+        instances = [i for i in self.pool.instances if i.address not in self.held_out] or list(self.pool.instances)
         closed = [i for i in instances if self.breakers[i.address].state is BreakerState.CLOSED]
         ranked = sorted(closed or instances, key=lambda i: self.ledger.active_requests(i.address))
         return tuple(i.address for i in ranked)
@@ -342,7 +383,7 @@ class Scheduler:
         if served_by in self.breakers:
             self.breakers[served_by].record_success()
             verdict |= lease is not None and served_by == lease.address
-        if lease is not None and not verdict:
+        if lease is not None and not verdict and lease.address in self.breakers:  # (it may have left)
             self.breakers[lease.address].record_abandoned()
 
     def _load(self, address: str, now: float) -> tuple[int, int]:

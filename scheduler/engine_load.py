@@ -48,6 +48,11 @@ class EngineLoads:
         self._samples[address] = load
         self._at_sample[address] = self._committed.get(address, (0, 0))
 
+    def forget(self, address: str) -> None:
+        """The instance left the pool: its samples and counts go (one that rejoins starts anew)."""
+        for table in (self._samples, self._committed, self._at_sample):
+            table.pop(address, None)
+
     def committed(self, address: str, tokens: int) -> None:
         requests, total = self._committed.get(address, (0, 0))
         self._committed[address] = (requests + 1, total + tokens)

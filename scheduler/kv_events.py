@@ -49,6 +49,9 @@ class EventFeeds:
             self._subscribed.discard(address)
             self._waiting.pop(address, None)
 
+    def forget(self, address: str) -> None:
+        self.subscribed(address, False)
+
     def committed(self, address: str, now: float) -> None:
         if address in self._subscribed:
             self._waiting.setdefault(address, now)

@@ -49,6 +49,12 @@ class AdapterPlacement:
         self._loaded.setdefault(address, {})[adapter] = self._loads
         self._registered[address] = self.registered(address) | {adapter}
 
+    def forget(self, address: str) -> None:
+        """The instance left the pool: what it lists and what the gateway loaded there go.
+        Requests still running there keep their leases until they finish."""
+        self._registered.pop(address, None)
+        self._loaded.pop(address, None)
+
     def registered(self, address: str) -> frozenset[str]:
         return self._registered.get(address, frozenset())
 
