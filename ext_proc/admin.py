@@ -27,6 +27,12 @@ def state(services: Services) -> dict[str, Any]:
     now = time.monotonic()  # the planners' clock
     schedulers = [base.scheduler.snapshot(now) for base in bases]
     capabilities = [base.capabilities.snapshot() for base in bases if base.capabilities is not None]
+    pools = {
+        (name if len(bases) == 1 else f"{base.config.model.served_name}/{name}"): pool
+        for base in bases
+        if base.membership is not None
+        for name, pool in base.membership.snapshot().items()
+    }
     return {
         "active_exchanges": process.active_exchanges,
         "owned_queue_depth_max": process.owned_queue_depth_max,
@@ -45,6 +51,7 @@ def state(services: Services) -> dict[str, Any]:
         "draining": process.draining,
         "ready": readiness(services),
         **({"capabilities": _merged(capabilities, ("rounds",))} if capabilities else {}),
+        "pools": pools,  # each pool's source, and why each instance routes or not
         # more than one base model: each one's own
         **(
             {"models": {b.config.model.served_name: _base_state(b, s) for b, s in zip(bases, schedulers, strict=True)}}

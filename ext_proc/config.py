@@ -9,7 +9,8 @@ This module holds `TitoConfig`, its per-base-model sections (model, render, pool
 obfuscation: what `TitoConfig.bases()` swaps per base) and the small process-wide ones
 (logging, tracing, the local stack), and the loading. The edge's sections (listener,
 processor) are `config_edge.py`'s, the routing ones (scheduler, admission, reschedule, LoRA,
-capabilities) `config_routing.py`'s; `config_section.py` is their common base.
+capabilities) `config_routing.py`'s, a pool's discovery `config_discovery.py`'s;
+`config_section.py` is their common base.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from ext_proc.config_discovery import DiscoveryConfig
 from ext_proc.config_edge import ListenerConfig, ProcessorConfig
 from ext_proc.config_routing import (
     AdmissionConfig,
@@ -172,6 +174,31 @@ class PoolConfig(Section):
     # How KV moves from prefill to decode: `example` (a shared folder: prefill returns no
     # params, decode finds the KV by prompt), `nixl` (prefill returns pull params decode needs).
     kv_connector: Literal["none", "example", "nixl"] = "none"
+    # Where the instances come from: `static` (the list above), `dns` or `kubernetes`
+    # (discovered at run time, `instances` left out): ext_proc/config_discovery.py.
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _discovered_not_listed(cls, data: Any) -> Any:
+        """A discovered pool lists no instances (its source says them), so none by default."""
+        if isinstance(data, dict) and (data.get("discovery") or {}).get("source", "static") != "static":
+            if data.get("instances"):
+                raise ValueError(f"pool {data.get('name', 'union')}: a discovered pool lists no instances")
+            data = {**data, "instances": []}
+        return data
+
+    def discovered(self, host: str, port: int) -> InstanceConfig:
+        """A discovered instance at `host`:`port`; its declarations are the discovery's."""
+        d = self.discovery
+        events = None
+        if d.kv_events_port is not None:
+            bare = host.strip("[]")
+            where = f"[{bare}]" if ":" in bare else bare
+            events = KvEventsEndpoint(
+                endpoint=f"tcp://{where}:{d.kv_events_port}", replay_endpoint=f"tcp://{where}:{d.kv_events_port + 1}"
+            )
+        return InstanceConfig(host=host, port=port, capabilities=list(d.capabilities), kv_events=events)
 
     @model_validator(mode="after")
     def _one_decode_mode(self) -> PoolConfig:
@@ -234,6 +261,9 @@ class LocalStackConfig(Section):
     # real deployment's engines serve permuted weights; render keeps the plain model.
     permute_engine_weights: bool = False
     engine_extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags for every engine
+    # Engines of each DNS-discovered pool whose name server is on loopback: `tito up` runs
+    # that pool itself (dnsmasq + engines on 127.0.0.11, .12, ...); `tito scale N` changes it.
+    replicas: int = Field(default=1, ge=0)
 
 
 class BaseModelConfig(Section):
@@ -270,8 +300,8 @@ class TitoConfig(Section):
     def _pools_by_role(self) -> TitoConfig:
         for base in self.bases():
             roles = [p.role for p in base.pools]
-            if len(set(roles)) != len(roles) or any(not p.instances for p in base.pools):
-                raise ValueError("pools: at most one per role, each with at least one instance")
+            if len(set(roles)) != len(roles) or any(not p.instances and not p.discovery.dynamic for p in base.pools):
+                raise ValueError("pools: at most one per role, each with at least one instance (or discovered)")
             if "union" not in roles and not {"prefill", "decode"} <= set(roles):
                 raise ValueError("pools: a union pool, or a prefill and a decode pool")
         return self

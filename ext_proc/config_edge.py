@@ -69,6 +69,10 @@ class ListenerConfig(Section):
     max_concurrent_streams: int = 128  # per HTTP/2 client connection
     max_connections: int = 10000  # downstream connections, all listeners
     envoy_max_heap_bytes: int = 1 << 30  # overload manager: shed load before Envoy's heap reaches it
+    # With a discovered pool: the engines' cluster is Envoy's EDS from this file, which the
+    # processor (its worker 0) rewrites as instances join and leave, and Envoy watches. Both
+    # must see the same path (one host, or a volume both mount).
+    engine_endpoints_file: str = "/tmp/tito/engines.eds.json"
 
     @model_validator(mode="after")
     def _unique_routes(self) -> ListenerConfig:

@@ -18,13 +18,14 @@ from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.derender.model import DerenderModel
 from ext_proc.derender.pipeline import build_derenderer
 from ext_proc.derender.sidecar import DerenderClient
+from ext_proc.envoy_protocol.bootstrap import discovered
+from ext_proc.envoy_protocol.endpoints import EndpointsFile
 from ext_proc.envoy_protocol.exchange import Exchange
 from ext_proc.errors import GatewayError
 from ext_proc.fleet.capabilities import Capabilities
-from ext_proc.fleet.engine_metrics import engine_metrics_pollers
 from ext_proc.fleet.http_client import CountingTransport, http_client
-from ext_proc.fleet.kv_events import KvEventSubscriber
 from ext_proc.fleet.lora import AdapterLoader
+from ext_proc.fleet.membership import Membership, instance_work
 from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.render_pool import RenderPool, pool_member
@@ -148,18 +149,6 @@ def answering_block_size(config: TitoConfig) -> int:
     return answering[0].block_size if answering else PoolConfig().block_size
 
 
-def kv_event_subscribers(config: TitoConfig, scheduler: Scheduler) -> list[KvEventSubscriber]:
-    """One per engine that publishes KV cache events, when they feed the prefix index."""
-    if config.scheduler.prefix_source != "kv_events":
-        return []
-    return [
-        KvEventSubscriber(i.address, i.kv_events, scheduler, pool.block_size)
-        for pool in config.pools
-        for i in pool.instances
-        if i.kv_events is not None
-    ]
-
-
 async def build_gateway(
     config: TitoConfig, http: httpx.AsyncClient, streams: CountingTransport, observability: Observability | None = None
 ) -> Services:
@@ -201,6 +190,7 @@ def build_services(
     elif observability is None:
         collector = config.tracing.collector
         observability = Observability(tracer=tracer_from_environment(collector.url if collector is not None else None))
+    membership = Membership(config, scheduler, capabilities, instance_work(config, scheduler, http))
     planner.on_breaker = observability.breaker_changed
     if render_pool is not None:
         render_pool.on_render = observability.render_attempt
@@ -223,6 +213,7 @@ def build_services(
         codec=codec,
         observability=observability,
         capabilities=capabilities,
+        membership=membership,
         loop_lag=loop_lag,
         process=first.process if first is not None else ProcessState(),
     )
@@ -239,6 +230,24 @@ def _both(first: Callable[[str, str], None], second: Callable[[str, str], None])
         second(address, state)
 
     return both
+
+
+def follow_membership(config: TitoConfig, services: Services) -> None:
+    """With a discovered pool, Envoy's engines are what the endpoints file lists: worker 0
+    writes every base model's members there now and on every change (one writer; the other
+    workers converge on the same membership by themselves)."""
+    if not discovered(config) or config.processor.worker_index != 0:
+        return
+    endpoints = EndpointsFile(config.listener.engine_endpoints_file)
+
+    memberships = [base.membership for base in services.bases if base.membership is not None]
+
+    def write() -> None:
+        endpoints.write(member for membership in memberships for member in membership.addresses())
+
+    for membership in memberships:
+        membership.on_change = write
+    write()
 
 
 async def drain(services: Services, timeout_s: float) -> None:
@@ -292,10 +301,11 @@ async def serve(
         await server.start()
         admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
         lag_monitor = asyncio.create_task(services.loop_lag.run())
-        subscribers, pollers = [], []
+        follow_membership(config, services)
+        pollers = []
         for base in services.bases:
-            subscribers += [asyncio.create_task(s.run()) for s in kv_event_subscribers(base.config, base.scheduler)]
-            pollers += [asyncio.create_task(p.run()) for p in engine_metrics_pollers(base.config, base.scheduler, http)]
+            if base.membership is not None:  # (its instances' scrapes and subscriptions too)
+                pollers.append(asyncio.create_task(base.membership.run()))
             if base.capabilities is not None:
                 pollers.append(asyncio.create_task(base.capabilities.run()))
             if base.tokenization.pool is not None:  # failed render endpoints probed back in
@@ -314,8 +324,8 @@ async def serve(
             await drain(services, config.processor.drain_timeout_s)
         finally:
             lag_monitor.cancel()
-            for task in [*subscribers, *pollers]:
+            for task in pollers:
                 task.cancel()
             admin.close()
             await server.stop(grace=2)
-            await asyncio.gather(lag_monitor, *subscribers, *pollers, return_exceptions=True)
+            await asyncio.gather(lag_monitor, *pollers, return_exceptions=True)

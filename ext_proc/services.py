@@ -20,6 +20,7 @@ from ext_proc.derender.pipeline import Derenderer
 from ext_proc.errors import GatewayError
 from ext_proc.fleet.capabilities import Capabilities
 from ext_proc.fleet.http_client import CountingTransport
+from ext_proc.fleet.membership import Membership
 from ext_proc.frontend.model_catalog import models_body, not_found
 from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.legs.prefill import prefilled
@@ -59,6 +60,7 @@ class Services:
     triggers: Triggers
     codec: TokenCodec | None = None  # token obfuscation (off: None)
     capabilities: Capabilities | None = None  # capability negotiation (off: None)
+    membership: Membership | None = None  # the engines as they join and leave (build_services sets it)
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     process: ProcessState = field(default_factory=ProcessState)

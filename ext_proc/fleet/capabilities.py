@@ -77,7 +77,10 @@ class Capabilities:
         self._prober = Prober(
             http, settings.timeout_s, config.model.served_name, tokenization.codec, settings.health_timeout_s
         )
-        self.engines: dict[str, EngineCapabilities | None] = {i.address: None for i in scheduler.instances}
+        # Every engine instance with its pool's config and its own (the config's, then those
+        # that `join` and `leave` as discovery finds them)
+        self._instances = {i.address: (p, i) for p in config.pools for i in p.instances}
+        self.engines: dict[str, EngineCapabilities | None] = dict.fromkeys(self._instances)
         self.assessments: dict[str, Assessment] = {}
         pool = tokenization.pool
         self.renders: dict[str, RenderCapabilities | None] = {m.name: None for m in pool.members} if pool else {}
@@ -93,6 +96,28 @@ class Capabilities:
         self._checking: set[str] = set()  # engines whose liveness check runs now
         self._wake = asyncio.Event()
         self.rounds = 0
+
+    # -- membership
+
+    def join(self, pool: PoolConfig, instance: InstanceConfig) -> None:
+        """A discovered instance: probed now; it routes once its record is complete."""
+        address = instance.address
+        if address in self._instances:
+            return
+        self._instances[address] = (pool, instance)
+        self.engines[address] = None
+        self._due[address] = _Due(self._clock())
+        self._health_due[address] = self._clock() + self._settings.health_interval_s
+        self._wake.set()
+
+    def leave(self, address: str) -> None:
+        """The instance left: its record, checks and listing go (a probe of it still running
+        finds it gone and keeps nothing)."""
+        self._instances.pop(address, None)
+        for table in (self.engines, self.assessments, self._due, self._health_due, self._lora_marks):
+            table.pop(address, None)
+        self._down.discard(address)
+        self._catalog.forget(address)
 
     # -- when to probe
 
@@ -167,12 +192,15 @@ class Capabilities:
     async def check(self, address: str) -> None:
         """One liveness check of this engine, now."""
         try:
-            self._checked(address, await self._prober.alive(address))
+            failure = await self._prober.alive(address)
+            if address in self._instances:  # (it may have left meanwhile)
+                self._checked(address, failure)
         except httpx.PoolTimeout:
             pass  # nothing learned: the next check asks again
         finally:
             self._checking.discard(address)
-            self._health_due[address] = self._clock() + self._settings.health_interval_s
+            if address in self._instances:
+                self._health_due[address] = self._clock() + self._settings.health_interval_s
             self._wake.set()
 
     def _checked(self, address: str, failure: str | None) -> None:
@@ -211,6 +239,8 @@ class Capabilities:
             else:
                 record = await self._prober.engine(name, now)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the endpoint is probed again later
+            if name not in self._due:
+                return  # it left while probed
             failure = failure_reason(exc)
             old = self.renders.get(name)
             if is_render and (old is None or old.error is None):  # an engine's verdict says it (`_log`)
@@ -218,6 +248,8 @@ class Capabilities:
             self._failed(name, failure)
             self._schedule(name, failure)
             return
+        if name not in self._due:
+            return  # it left while probed
         (self.renders if is_render else self.engines)[name] = record
         if not is_render:
             self._lora_marks[name] = lora_mark
@@ -262,13 +294,12 @@ class Capabilities:
             if self._tokenization.pool is not None:
                 self._tokenization.pool.hold_out(name, not used)
         native_allowed = not self._config.obfuscation.enable
-        for pool in self._config.pools:
-            for instance in pool.instances:
-                record = self.engines[instance.address]
-                verdict = assess(
-                    record, self._expected(pool, instance), self._settings.on_mismatch, reference, native_allowed
-                )
-                self._apply(instance.address, Role(pool.role), verdict)
+        for address, (pool, instance) in self._instances.items():
+            record = self.engines[address]
+            verdict = assess(
+                record, self._expected(pool, instance), self._settings.on_mismatch, reference, native_allowed
+            )
+            self._apply(address, Role(pool.role), verdict)
 
     def _expected(self, pool: PoolConfig, instance: InstanceConfig) -> Expected:
         """What the config says: the model, its context, the pool's block size, and the hash

@@ -19,7 +19,6 @@ import time
 
 import httpx
 
-from ext_proc.config import TitoConfig
 from scheduler import EngineLoad, Scheduler
 
 log = logging.getLogger("tito.engine_metrics")
@@ -120,17 +119,3 @@ class EngineMetricsPoller:
             log.info("metrics of %s: readable again", self.address)
         self.failing = False
         self._scheduler.engine_load(self.address, load)
-
-
-def engine_metrics_pollers(
-    config: TitoConfig, scheduler: Scheduler, http: httpx.AsyncClient
-) -> list[EngineMetricsPoller]:
-    """One per engine instance, when the engines' metrics are a load source."""
-    s = config.scheduler
-    if s.load_source != "engine_metrics":
-        return []
-    # an answer slower than the stale time would be stale on arrival
-    return [
-        EngineMetricsPoller(i.address, scheduler, http, s.engine_metrics_interval_s, s.engine_metrics_stale_s)
-        for i in scheduler.instances
-    ]

@@ -13,6 +13,7 @@ derender step.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,6 +100,7 @@ class StateGauges(Collector):
             breaker.add_metric([address], int(instance["breaker"] != "closed"))
         yield from (tokens, requests, breaker)
         yield from _render_gauges(state["render_endpoints"])
+        yield from _pool_gauges(state["pools"])
         if "capabilities" in state:
             yield from _capability_gauges(state["capabilities"])
 
@@ -141,6 +143,22 @@ def _render_gauges(endpoints: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             families["p99_ms"].add_metric([name], endpoint["p99_ms"])
     yield from families.values()
     yield from cache.values()
+
+
+def _pool_gauges(pools: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Each pool's instances by state (routes, held_out, damped), and its joins and leaves."""
+    instances = GaugeMetricFamily(
+        "tito_pool_instances", "engine instances per pool and state", labels=["pool", "source", "state"]
+    )
+    joins = CounterMetricFamily("tito_pool_joins", "instances that joined the pool", labels=["pool"])
+    leaves = CounterMetricFamily("tito_pool_leaves", "instances that left the pool", labels=["pool"])
+    for name, pool in pools.items():
+        states = Tally(why.split(":", 1)[0].replace(" ", "_") for why in pool["instances"].values())
+        for state in ("routes", "held_out", "damped"):
+            instances.add_metric([name, pool["source"], state], states.get(state, 0))
+        joins.add_metric([name], pool["joins"])
+        leaves.add_metric([name], pool["leaves"])
+    yield from (instances, joins, leaves)
 
 
 CAPABILITY_LABELS = ("instance", "version", "token_only", "tokenizer", "block_size", "max_model_len", "path")

@@ -10,14 +10,14 @@ import time
 import httpx
 import pytest
 
-from ext_proc.config import TitoConfig
+from ext_proc.config import PoolConfig, TitoConfig
 from ext_proc.config_routing import SchedulerConfig
 from ext_proc.fleet.engine_metrics import (
     EngineMetricsPoller,
     MetricsUnreadable,
-    engine_metrics_pollers,
     parse_engine_metrics,
 )
+from ext_proc.fleet.membership import instance_work
 from scheduler import (
     Decision,
     EngineLoad,
@@ -273,8 +273,11 @@ def _latest(scheduler: Scheduler) -> EngineLoad:
 def test_pollers_only_when_the_engines_metrics_are_the_load_source() -> None:
     scheduler = _scheduler(LoadBalance())
     http = httpx.AsyncClient()
-    assert engine_metrics_pollers(TitoConfig(), scheduler, http) == []
+    pool = PoolConfig()
+    assert instance_work(TitoConfig(), scheduler, http)(pool, pool.instances[0]) == []
     config = TitoConfig(scheduler=SchedulerConfig(load_source="engine_metrics"))
-    assert [p.address for p in engine_metrics_pollers(config, scheduler, http)] == [A, B]
+    (work,) = instance_work(config, scheduler, http)(pool, pool.instances[0])
+    assert work.cr_frame.f_locals["self"].address == pool.instances[0].address  # type: ignore[attr-defined]
+    work.close()
     with pytest.raises(ValueError):
         SchedulerConfig.model_validate({"load_source": "gossip"})

@@ -21,6 +21,7 @@ LAYERS = [
         "ext_proc.config_section",
         "ext_proc.config_edge",
         "ext_proc.config_routing",
+        "ext_proc.config_discovery",
         "ext_proc.errors",
         "ext_proc.protocol",
         "ext_proc.model_files",
