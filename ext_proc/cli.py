@@ -83,13 +83,13 @@ def _worker_command(args: argparse.Namespace, workers: int, index: int) -> list[
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from ext_proc.envoy_protocol.bootstrap import render_bootstrap
+    from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
 
-    text = render_bootstrap(load_config(args.config))
-    if args.out:
-        Path(args.out).write_text(text)
+    config = load_config(args.config)
+    if args.out:  # (with a discovered pool, also the endpoints file Envoy starts from)
+        write_bootstrap(config, Path(args.out))
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(render_bootstrap(config))
     return 0
 
 
@@ -102,6 +102,34 @@ def _up(args: argparse.Namespace) -> int:
     from ext_proc.tools.local_stack import run_up
 
     return run_up(load_config(args.config))
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from ext_proc.tools.elastic_pool import read_state, request_scale, wait_scaled
+    from ext_proc.tools.local_stack import run_dir
+
+    config = load_config(args.config)
+    work = run_dir(config)
+    pools = read_state(work)
+    if args.pool not in pools:
+        print(f"tito scale: no elastic pool {args.pool!r} in a running `tito up` ({work}); pools: {sorted(pools)}")
+        return 1
+    request_scale(work, args.pool, args.replicas)
+    print(f"pool {args.pool}: scaling to {args.replicas} engines ...", flush=True)
+    admin = f"http://{config.processor.host}:{config.processor.admin_port}"
+    listed = wait_scaled(work, args.pool, args.replicas, admin, args.timeout)
+    if listed is None:
+        print(f"pool {args.pool}: not there after {args.timeout:g} s: {read_state(work).get(args.pool)}")
+        return 1
+    print(f"pool {args.pool}: {len(listed)} engines, the gateway routes to each: {', '.join(listed)}")
+    return 0
+
+
+def _scale_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("replicas", type=int, help="engines the pool should have")
+    parser.add_argument("--pool", default="union", help="the elastic pool (default: union)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for it (default: 600)")
+    parser.set_defaults(run=_scale)
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -263,6 +291,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "up": Command("run the local stack: render sidecar, CPU vLLM engine, processor, Envoy", _no_arguments(_up)),
+    "scale": Command("change how many engines the running `tito up` pool has, while it serves", _scale_arguments),
     "processor": Command("run the ext_proc gRPC server", _processor_arguments),
     "render": Command(
         "run the vLLM render sidecar, its model flags from the config as `tito up` does", _render_arguments

@@ -111,7 +111,10 @@ def _events_config(kv_events: KvEventsEndpoint) -> dict[str, object]:
     """The engine binds the ports the gateway connects to (vllm-pd-and-kv-events-on-cpu.md §2)."""
 
     def bound(endpoint: str) -> str:
-        return "tcp://*:" + endpoint.rsplit(":", 1)[1]
+        # every interface, except a loopback address: engines of one machine each on their own
+        # (`tito up`'s elastic pool) publish on the same port
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        return f"tcp://{host if host.startswith('127.') else '*'}:{port}"
 
     return {
         "enable_kv_cache_events": True,

@@ -15,11 +15,16 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -m protos.build
 
-if ! command -v docker-compose >/dev/null 2>&1; then
+# Debian packages: docker-compose (the compose validation test) and dnsmasq (the local DNS
+# server that an elastic local pool's engines are discovered through).
+missing=()
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "note: docker-compose is missing (Debian package docker-compose); its validation test will not run" >&2
+    echo "note: missing Debian packages: ${missing[*]} (the tests that need them will not run)" >&2
   fi
 fi
 touch .venv/.installed

@@ -9,18 +9,32 @@ process or engine that exits (the policy: `supervisor.py`).
 from __future__ import annotations
 
 import functools
+import json
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolConfig, RenderEndpoint, TitoConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
+from ext_proc.envoy_protocol.endpoints import write_atomically
 from ext_proc.extras import ENGINE, require
 from ext_proc.tools.cpu_affinity import colocate_engine_core
+from ext_proc.tools.elastic_pool import (
+    DRAIN_MAX_S,
+    DRAIN_MIN_S,
+    STATE_FILE,
+    ElasticPool,
+    dnsmasq_command,
+    elastic_by_default,
+    idle,
+    read_scale,
+    runs_locally,
+)
 from ext_proc.tools.managed_process import ManagedProcess
 from ext_proc.tools.supervisor import Backoff, RestartPolicy, exit_status, restart_line
 from ext_proc.tools.tiny_model import TINY_VOCAB, ensure_tiny_adapter, ensure_tiny_model
@@ -48,7 +62,8 @@ def with_model_paths(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig
 
 def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig]:
     """Every instance without `kv_events` publishes on the next `local.kv_events_port` pair,
-    when the prefix index is fed by events."""
+    when the prefix index is fed by events (a pool `tito up` runs elastically: one pair for
+    all its engines, each on its own loopback address)."""
     if config.scheduler.prefix_source != "kv_events":
         return config.pools
 
@@ -59,7 +74,13 @@ def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig
         endpoint = KvEventsEndpoint(endpoint=f"tcp://{i.host}:{port}", replay_endpoint=f"tcp://{i.host}:{port + 1}")
         return i.model_copy(update={"kv_events": endpoint})
 
-    return [p.model_copy(update={"instances": [instance(i) for i in p.instances]}) for p in config.pools]
+    def pool(p: PoolConfig) -> PoolConfig:
+        if runs_locally(p) and p.discovery.kv_events_port is None:
+            port = next(ports)
+            return p.model_copy(update={"discovery": p.discovery.model_copy(update={"kv_events_port": port})})
+        return p.model_copy(update={"instances": [instance(i) for i in p.instances]})
+
+    return [pool(p) for p in config.pools]
 
 
 def _http_ready(url: str, timeout: float = 2) -> bool:
@@ -92,7 +113,10 @@ def _port_open(host: str, port: int) -> bool:
 
 
 class LocalStack:
-    def __init__(self, config: TitoConfig, work_dir: Path) -> None:
+    def __init__(self, config: TitoConfig, work_dir: Path, elastic: bool = True) -> None:
+        """`elastic`: run the DNS-discovered pools whose name server is on loopback (engines
+        behind its own dnsmasq, as `tito up` does); False: a gateway over engines and a name
+        server run by someone else (tests)."""
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
@@ -112,6 +136,20 @@ class LocalStack:
         self.model_path = str(bases[0].path)
         # what each base model's engines load: its model, or its permuted copy
         self.engine_paths = {b.model.served_name: self._engine_path(b, cache_dir) for b in self.config.bases()}
+        self.elastic = self._elastic_pools() if elastic else []
+        self.hosts_dir = work_dir / "dns"
+
+    def _elastic_pools(self) -> list[ElasticPool]:
+        """The DNS-discovered pools this stack runs itself (engines behind its own dnsmasq)."""
+        elastic = []
+        for n, base in enumerate(self.config.bases()):
+            lone = [p.role for p in base.pools] == ["union"]
+            for pool in base.pools:
+                if runs_locally(pool):
+                    key = pool.name if n == 0 else f"{base.model.served_name}/{pool.name}"
+                    prefix = ("" if n == 0 else f"{base.model.served_name}-") + ("engine" if lone else pool.name)
+                    elastic.append(ElasticPool(key, base, pool, prefix, self.config.local.replicas))
+        return elastic
 
     def _engine_path(self, base: TitoConfig, cache_dir: Path) -> str:
         path = Path(str(base.model.path))
@@ -149,11 +187,34 @@ class LocalStack:
         self._add(name, command, OFFLINE)
 
     def start_backends(self) -> None:
-        """Render sidecars and engines: the slow part (tens of seconds), started together."""
+        """Render sidecars and engines: the slow part (tens of seconds), started together
+        (and the DNS server that an elastic pool's engines are listed in)."""
+        if self.elastic:
+            self.publish_records()
+            self.start_dns()
+        for pool in self.elastic:
+            pool.size = pool.wanted
         for name, _, _ in self.renders():
             self.start_render(name)
         for name, _, _, _ in self.base_engines():
             self.start_engine(name)
+
+    def start_dns(self) -> None:
+        nameservers = {p.pool.discovery.nameserver for p in self.elastic}
+        if len(nameservers) != 1:
+            raise StackError(
+                f"tito up runs one local DNS server; the elastic pools name {sorted(map(str, nameservers))}"
+            )
+        names = [p.pool.discovery.name for p in self.elastic]
+        self._add("dns", dnsmasq_command(str(nameservers.pop()), self.hosts_dir, names))
+
+    def publish_records(self) -> None:
+        """Each elastic pool's listed engines, one hosts file per pool (dnsmasq rereads it)."""
+        self.hosts_dir.mkdir(parents=True, exist_ok=True)
+        for pool in self.elastic:
+            write_atomically(self.hosts_dir / pool.key.replace("/", "_"), pool.records().encode())
+        state = {pool.key: pool.describe() for pool in self.elastic}
+        write_atomically(self.work_dir / STATE_FILE, json.dumps(state).encode())
 
     def _engine_env(self) -> dict[str, str]:
         return {
@@ -189,8 +250,10 @@ class LocalStack:
         self._add(name, command, {**self._engine_env(), **(side_channel if pool.kv_connector == "nixl" else {})})
 
     def restartable(self) -> set[str]:
-        """What `tito up` restarts when it exits: every render process and engine."""
-        return {name for name, _, _ in self.renders()} | {name for name, _, _ in self.engines()}
+        """What `tito up` restarts when it exits: every render process and engine (and the
+        local DNS server)."""
+        dns = {"dns"} if self.elastic else set()
+        return {name for name, _, _ in self.renders()} | {name for name, _, _ in self.engines()} | dns
 
     def restart(self, name: str) -> None:
         """Start render process or engine `name` again, on the same port with the same flags.
@@ -201,13 +264,17 @@ class LocalStack:
         old.stop()
         if not old.wait_group_gone():  # the new one may then fail to bind: it exits, and is retried
             print(f"{name}: its old processes still run after SIGKILL; starting anyway", file=sys.stderr)
+        if name == "dns":
+            self.start_dns()
+            return
         engines = {engine for engine, _, _ in self.engines()}
         (self.start_engine if name in engines else self.start_render)(name)
 
     def engine_ready(self, name: str) -> bool:
-        """Its /health answers (a short timeout: the supervising loop waits on it)."""
+        """It runs and its /health answers (a short timeout: the supervising loop waits on it)."""
         instance = next(instance for engine, _, instance in self.engines() if engine == name)
-        return _http_ready(instance.url + "/health", timeout=0.5)
+        process = self.processes.get(name)
+        return process is not None and process.alive() and _http_ready(instance.url + "/health", timeout=0.5)
 
     def engines(self) -> list[tuple[str, PoolConfig, InstanceConfig]]:
         return [(name, pool, instance) for name, _, pool, instance in self.base_engines()]
@@ -223,6 +290,8 @@ class LocalStack:
             for pool in pools:
                 for m, instance in enumerate(pool.instances):
                     engines.append((f"{prefix}{'engine' if lone else pool.name}{m}", base, pool, instance))
+        for elastic in self.elastic:  # (the engines started so far)
+            engines += [(name, elastic.base, elastic.pool, instance) for name, instance in elastic.engines()]
         return engines
 
     def start_gateway(self) -> None:
@@ -257,6 +326,7 @@ class LocalStack:
                     raise StackError(f"{name} exited during start-up; last log lines:\n{process.log_tail()}")
                 if pending[name]():
                     del pending[name]
+                    self.list_engine(name)
             if time.monotonic() > deadline:
                 raise StackError(f"not ready after {self.config.local.startup_timeout_s}s: {sorted(pending)}")
             if pending:
@@ -276,9 +346,74 @@ class LocalStack:
             except (httpx.HTTPError, ValueError):
                 return False
             engines = state.get("capabilities", {}).get("engines", {})  # none: probing is off there
-            if not all(record["complete"] for record in engines.values()):
+            if not all(record["complete"] for record in engines.values()) or not self._found_listed(state):
                 return False
         return True
+
+    def _found_listed(self, state: dict[str, Any]) -> bool:
+        """The processor found every engine the elastic pools list (and no other)."""
+        for pool in self.elastic:
+            found = state.get("pools", {}).get(pool.key, {}).get("instances", {})
+            if sorted(found) != sorted(pool.describe()["listed"]):  # type: ignore[arg-type]
+                return False
+        return True
+
+    # -- elastic pools
+
+    def _elastic_engine(self, name: str) -> tuple[ElasticPool, int] | None:
+        for pool in self.elastic:
+            for k in range(pool.size):
+                if pool.name(k) == name:
+                    return pool, k
+        return None
+
+    def list_engine(self, name: str) -> None:
+        """An elastic pool's engine answers: its record is published."""
+        found = self._elastic_engine(name)
+        if found is not None and found[1] not in found[0].draining:
+            found[0].listed.add(found[1])
+            self.publish_records()
+
+    def scale(self, policy: RestartPolicy, now: float) -> list[str]:
+        """One step towards each elastic pool's wanted size: start the next engine, list a
+        started one that answers, or unlist the last one and stop it once it is idle. The
+        engines started now."""
+        wanted = read_scale(self.work_dir)
+        started = []
+        for pool in self.elastic:
+            pool.wanted = max(0, wanted.get(pool.key, pool.wanted))
+            started += self._scale_pool(pool, policy, now)
+        return started
+
+    def _scale_pool(self, pool: ElasticPool, policy: RestartPolicy, now: float) -> list[str]:
+        started = []
+        for k in range(pool.size):
+            if k not in pool.listed and k not in pool.draining and self.engine_ready(pool.name(k)):
+                self.list_engine(pool.name(k))
+        if pool.wanted > pool.size and not pool.draining:
+            name = pool.name(pool.size)
+            pool.size += 1
+            self.start_engine(name)
+            policy.add(name, now)
+            started.append(name)
+            print(f"{pool.key}: starting {name} at {pool.instance(pool.size - 1).address}", file=sys.stderr, flush=True)
+        elif pool.wanted < pool.size and not pool.draining:
+            k = pool.size - 1
+            pool.listed.discard(k)
+            pool.draining[k] = now
+            self.publish_records()
+            print(f"{pool.key}: {pool.name(k)} unlisted; stopping it once idle", file=sys.stderr, flush=True)
+        for k, since in list(pool.draining.items()):
+            waited = now - since
+            if waited >= DRAIN_MIN_S and (waited >= DRAIN_MAX_S or idle(pool.instance(k))):
+                name = pool.name(k)
+                policy.remove(name)
+                self.processes.pop(name).stop()
+                del pool.draining[k]
+                pool.size = k
+                self.publish_records()
+                print(f"{pool.key}: {name} stopped after {waited:.1f} s", file=sys.stderr, flush=True)
+        return started
 
     def start(self) -> None:
         try:
@@ -305,6 +440,11 @@ class LocalStack:
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             process.stop()
+
+
+def run_dir(config: TitoConfig) -> Path:
+    """Where `tito up` keeps its logs, generated config and state (`tito scale` finds it there)."""
+    return Path(config.local.cache_dir).expanduser() / "run"
 
 
 def smoke_request(base_url: str, model: str) -> str:
@@ -361,6 +501,9 @@ class Supervision:
                 print(line, file=sys.stderr, flush=True)
         for name in self.policy.due(now):
             self._restart(name)
+        for name in self.stack.scale(self.policy, now):  # bound once up, as a restarted one
+            if self.stack.config.local.colocate_engine_core:
+                self.to_colocate.add(name)
         self._colocate_restarted()
         return True
 
@@ -385,7 +528,8 @@ class Supervision:
 
 def run_up(config: TitoConfig) -> int:
     require("tito up (vLLM's engine and render server)", ENGINE, "vllm")
-    work_dir = Path(config.local.cache_dir).expanduser() / "run"
+    config = elastic_by_default(config)
+    work_dir = run_dir(config)
     stack = LocalStack(config, work_dir)
     stop = StopSignals()
     print(f"starting render sidecar, engine, processor and Envoy (logs in {work_dir / 'logs'}) ...", flush=True)

@@ -55,6 +55,16 @@ class RestartPolicy:
         self.backoff = backoff or Backoff()
         self._history: dict[str, _History] = {}
 
+    def add(self, name: str, now: float) -> None:
+        """A process started while the stack runs (an engine `tito scale` added): restarted too."""
+        self._restartable |= {name}
+        self.started(name, now)
+
+    def remove(self, name: str) -> None:
+        """A process stopped on purpose (`tito scale` down): neither restarted nor fatal."""
+        self._restartable -= {name}
+        self._history.pop(name, None)
+
     def restartable(self, name: str) -> bool:
         return name in self._restartable
 
