@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ext_proc.config import TitoConfig, load_config
+from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig, load_config
 from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
 from ext_proc.tools.tiny_model import FORMAT_VERSION
 from render_sidecar.launch import engine_command
@@ -27,6 +27,10 @@ DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.30.0"  # the oldest cluster the manifests are meant for
 # Istio's CRDs: not in kubernetes-validate's schemas, checked field by field below.
 ISTIO_KINDS = {"EnvoyFilter", "Gateway", "VirtualService"}
+# The Gateway API Inference Extension's CRD, likewise.
+INFERENCE_POOL = ("inference.networking.k8s.io/v1", "InferencePool")
+CRD_KINDS = ISTIO_KINDS | {INFERENCE_POOL[1]}
+DOCKER_DNS = "127.0.0.11:53"  # Docker's embedded DNS, in every container of a user network
 
 
 def _validate(envoy_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
@@ -125,7 +129,7 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
 
     assert config.processor.host == ip("processor")
     assert config.render_config.endpoint.host == ip("render")
-    assert [i.host for i in config.pools[0].instances] == [ip("engine")]
+    assert config.pools[0].discovery.name == "engine"
     # the models the one-shot `model` service generates are the ones everything loads: two
     # base models, each with its render sidecar and engine
     (second,) = config.models
@@ -133,24 +137,32 @@ def test_compose_gateway_config_matches_the_compose_services() -> None:
     assert second.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}-vocab768"
     assert services["model"]["command"][-3:] == ["--vocab-size", "1024", "768"]
     assert second.render_config.endpoint.host == ip("render-b")
-    assert [i.host for i in second.pools[0].instances] == [ip("engine-b")]
+    assert second.pools[0].discovery.name == "engine-b"
     for base, suffix in ((config.model, ""), (second.model, "-b")):
         for name in ("render", "engine"):
             assert f"--model={base.path}" in services[name + suffix]["command"]
             assert f"--served-model-name={base.served_name}" in services[name + suffix]["command"]
 
 
-def _kv_event_endpoints(config: TitoConfig) -> list[str]:
-    (instance,) = [i for p in config.pools for i in p.instances]
-    assert instance.kv_events is not None
-    return [instance.kv_events.endpoint, instance.kv_events.replay_endpoint]
+def _discovered_instance(pool: PoolConfig) -> InstanceConfig:
+    """What the processor makes of an instance its discovery finds (any address will do)."""
+    assert pool.discovery.dynamic and not pool.instances
+    return pool.discovered("10.0.0.7", pool.discovery.port)
+
+
+def _kv_event_ports(config: TitoConfig) -> set[int]:
+    (pool,) = config.pools
+    events = _discovered_instance(pool).kv_events
+    assert events is not None
+    return {int(e.rsplit(":", 1)[1]) for e in (events.endpoint, events.replay_endpoint)}
 
 
 def _assert_publishes_kv_events(args: list[str], config: TitoConfig) -> None:
     """The engine's flags are what `tito up` gives an engine of this config: its block size,
-    the hash the processor recomputes, and events on the ports the processor subscribes to."""
+    the hash the processor recomputes, and events on the ports the processor subscribes to
+    (on every instance its discovery finds)."""
     (pool,) = config.pools
-    (instance,) = pool.instances
+    instance = _discovered_instance(pool)
     assert instance.kv_events is not None
     expected = engine_command(
         config.model, "m", instance.host, instance.port, kv_events=instance.kv_events, block_size=pool.block_size
@@ -167,6 +179,58 @@ def test_compose_engine_publishes_the_kv_events_the_processor_subscribes_to() ->
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     _assert_publishes_kv_events(services["engine"]["command"], config)
     assert config.scheduler.prefix_source == "kv_events"
+
+
+def _replicas(service: dict[str, Any]) -> int:
+    """A compose service's replicas: deploy.replicas or scale (docker-compose refuses both)."""
+    return int(service.get("deploy", {}).get("replicas", service.get("scale", 1)))
+
+
+def test_compose_engines_are_replicas_found_by_docker_dns() -> None:
+    config = load_config(ROOT / "tito.compose.yaml", env={})
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for base in config.bases():
+        (pool,) = base.pools
+        # every replica of the service its name names, on the port the engines listen on
+        assert pool.discovery.source == "dns" and pool.discovery.nameserver == DOCKER_DNS
+        engine = services[pool.discovery.name]
+        assert f"--port={pool.discovery.port}" in engine["command"]
+        assert f"--served-model-name={base.model.served_name}" in engine["command"]
+        # replicas share the service's name: no fixed address or container name to collide
+        assert "container_name" not in engine
+        networks = engine.get("networks", [])
+        if isinstance(networks, dict):
+            assert not any((n or {}).get("ipv4_address") for n in networks.values())
+    assert _replicas(services[config.pools[0].discovery.name]) > 1
+    # the resolved file keeps them (docker-compose drops what it does not know)
+    result = subprocess.run(
+        [_docker_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _replicas(yaml.safe_load(result.stdout)["services"][config.pools[0].discovery.name]) > 1
+
+
+def _named_mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """A compose service's volumes by container path: (source, read-only)."""
+    mounts: dict[str, tuple[str, bool]] = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        mounts[target] = (source, mode == ["ro"])
+    return mounts
+
+
+def test_compose_envoy_and_processor_share_the_endpoints_file() -> None:
+    config = load_config(ROOT / "tito.compose.yaml", env={})
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    folder = str(Path(config.listener.engine_endpoints_file).parent)
+    envoy, processor, writer = (
+        _named_mounts(compose["services"][name]) for name in ("envoy", "processor", "envoy-config")
+    )
+    # one named volume: the processor writes the endpoints there, Envoy watches them, and the
+    # bootstrap writer leaves the first file there (Envoy refuses a missing one)
+    assert envoy[folder][0] == processor[folder][0] == writer[folder][0] in compose["volumes"]
+    assert processor[folder][1] is False and writer[folder][1] is False
+    assert compose["services"]["envoy"]["depends_on"]["envoy-config"] == {"condition": "service_completed_successfully"}
 
 
 def test_tracing_is_opt_in_and_reaches_the_tracing_profile() -> None:
@@ -289,7 +353,7 @@ def test_manifests_pass_the_kubernetes_schemas() -> None:
     kubernetes_validate = _kubernetes_validate()
     kinds = set()
     for document in _all_documents():
-        if document["kind"] in ISTIO_KINDS:
+        if document["kind"] in CRD_KINDS:
             continue
         name = f"{document['kind']}/{document['metadata']['name']}"
         try:
@@ -298,7 +362,7 @@ def test_manifests_pass_the_kubernetes_schemas() -> None:
         except kubernetes_validate.ValidationError as error:
             pytest.fail(f"{name}: {'.'.join(map(str, error.path))}: {error.message}")
         kinds.add(document["kind"])
-    assert kinds == {"Namespace", "ConfigMap", "Deployment", "Service"}
+    assert kinds == {"Namespace", "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
 
 
 @pytest.mark.parametrize(("folder", "bases"), [("kubernetes", []), ("istio", ["../kubernetes"])])
@@ -313,6 +377,8 @@ def test_cluster_config_loads_and_its_bootstrap_passes_envoy_validate(tmp_path: 
     # one pod: Envoy, processor and render meet on loopback; the kubelet probes the pod's IP
     assert (config.processor.host, config.render_config.endpoint.host) == ("127.0.0.1", "127.0.0.1")
     assert config.processor.listen_host == config.listener.host == "0.0.0.0"
+    # the pod's shared folder does not exist here: the endpoints file in this test's own
+    config.listener.engine_endpoints_file = str(tmp_path / "run" / "engines.eds.json")
     result = _validate(envoy_bin, write_bootstrap(config, tmp_path / "envoy.yaml"))
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -369,21 +435,161 @@ def test_gateway_pod_outlives_the_processor_drain(tmp_path: Path) -> None:
     assert drain < int(proxy["terminationDrainDuration"].removesuffix("s")) < grace
 
 
-def test_engines_are_the_engine_service(tmp_path: Path) -> None:
+def _inference_pool(pool: PoolConfig, namespace: str) -> dict[str, Any]:
+    """The InferencePool a discovered pool of the cluster config names, in the manifests."""
+    assert pool.discovery.source == "kubernetes" and pool.discovery.inference_pool is not None
+    assert pool.discovery.namespace == namespace
+    found = _object(INFERENCE_POOL[1], pool.discovery.inference_pool)
+    assert found["metadata"]["namespace"] == namespace
+    return found
+
+
+def _assert_pool_is_the_deployments_pods(inference_pool: dict[str, Any], deployment: dict[str, Any]) -> None:
+    """The InferencePool (a CRD kubernetes-validate does not know) checked field by field, as
+    the v1 API reads it: its pods are the Deployment's, on the engine's port, and it names an
+    endpoint picker Service port that reaches the processor."""
+    assert (inference_pool["apiVersion"], inference_pool["kind"]) == INFERENCE_POOL
+    spec = inference_pool["spec"]
+    assert set(spec) == {"selector", "targetPorts", "endpointPickerRef"}
+    assert spec["selector"] == {"matchLabels": deployment["spec"]["template"]["metadata"]["labels"]}
+    assert spec["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    engine = _container(deployment, "engine")
+    # one target port (v1.0 allows one), the one the engine serves on
+    assert [p["number"] for p in spec["targetPorts"]] == [_port(engine, "http")]
+    assert f"--port={_port(engine, 'http')}" in engine["args"]
+    picker = spec["endpointPickerRef"]
+    assert set(picker) <= {"group", "kind", "name", "port", "failureMode"}
+    assert (picker.get("group", ""), picker.get("kind", "Service")) == ("", "Service")
+    assert picker.get("failureMode", "FailClose") == "FailClose"  # fail closed, as tito's Envoy
+    # a Service's port (not its targetPort, a CEL rule of the API), reaching the processor's gRPC port
+    service = _object("Service", picker["name"])
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"]]
+    gateway = _object("Deployment", "tito-gateway")
+    assert _backend_port(service, port["name"]) == _port(_container(gateway, "processor"), "grpc")
+
+
+def test_cluster_pools_are_discovered_from_inference_pools(tmp_path: Path) -> None:
     config = _cluster_config(tmp_path)
-    service = _object("Service", "vllm-engine")
-    (port,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
-    # Envoy's STATIC engine cluster takes addresses: the Service's pinned clusterIP
-    assert [(i.host, i.port) for p in config.pools for i in p.instances] == [
-        (service["spec"]["clusterIP"], port["port"])
+    pools = {d["metadata"]["name"] for d in _all_documents() if d["kind"] == INFERENCE_POOL[1]}
+    named = set()
+    for base in config.bases():
+        for pool in base.pools:
+            # no hand-listed engine: the InferencePool's Ready pods
+            inference_pool = _inference_pool(pool, "tito")
+            named.add(inference_pool["metadata"]["name"])
+            # each pool's pods are the engines of its own base model
+            deployment = _object("Deployment", inference_pool["metadata"]["name"])
+            assert f"--served-model-name={base.model.served_name}" in _container(deployment, "engine")["args"]
+            _assert_pool_is_the_deployments_pods(inference_pool, deployment)
+    assert named == pools  # and no InferencePool the gateway does not read
+    # nothing pins an address any more: engines come and go with their Deployments
+    services = [d for d in _all_documents() if d["kind"] == "Service"]
+    assert not [s["metadata"]["name"] for s in services if s["spec"].get("clusterIP") not in (None, "None")]
+
+
+def test_the_commented_dns_alternative_names_the_headless_services(tmp_path: Path) -> None:
+    """tito-config's commented `source: dns` lines (clusters without the CRD), swapped in for
+    the kubernetes ones, load and find the same pods through the headless Services."""
+    found = _cluster_config(tmp_path)
+    lines = _object("ConfigMap", "tito-config")["data"]["tito.yaml"].splitlines()
+    swapped = 0
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("discovery: {source: kubernetes"):
+            (alternative,) = [a for a in lines[i + 1 : i + 3] if a.lstrip().startswith("# discovery: {source: dns")]
+            lines[i] = line[: len(line) - len(line.lstrip())] + alternative.lstrip().removeprefix("# ")
+            swapped += 1
+    path = tmp_path / "dns.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    config = load_config(path, env={})
+    assert swapped == len(config.bases())
+    for base, by_pool in zip(config.bases(), found.bases(), strict=True):
+        ((pool,), (kubernetes,)) = (base.pools, by_pool.pools)
+        assert pool.discovery.source == "dns" and pool.discovery.kv_events_port == kubernetes.discovery.kv_events_port
+        name, namespace, *rest = pool.discovery.name.split(".")
+        assert rest == ["svc", "cluster", "local"] and namespace == kubernetes.discovery.namespace
+        assert name == kubernetes.discovery.inference_pool  # the Service beside the pool, same pods
+        service = _object("Service", name)
+        assert service["spec"]["clusterIP"] == "None"  # a record per pod, not one clusterIP
+        assert service["spec"]["selector"] == _object(INFERENCE_POOL[1], name)["spec"]["selector"]["matchLabels"]
+        assert _backend_port(service, "http") == pool.discovery.port
+
+
+def test_the_discovery_role_grants_only_reading_pods_and_pools(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    documents = _all_documents()
+    assert not [d for d in documents if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (role,) = [d for d in documents if d["kind"] == "Role"]
+    (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
+    granted = {
+        (group, resource): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert granted == {
+        ("", "pods"): ["get", "list", "watch"],
+        ("inference.networking.k8s.io", "inferencepools"): ["get", "list", "watch"],
+    }
+    assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rule in role["rules"])
+    # namespaced, in the namespace every kubernetes discovery reads
+    namespaces = {p.discovery.namespace for b in config.bases() for p in b.pools if p.discovery.source == "kubernetes"}
+    assert namespaces == {role["metadata"]["namespace"]} == {binding["metadata"]["namespace"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    pod = _object("Deployment", "tito-gateway")["spec"]["template"]["spec"]
+    account = _object("ServiceAccount", pod["serviceAccountName"])
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}
     ]
+    assert pod.get("automountServiceAccountToken", True)  # the processor's in-cluster credentials
+    # only the gateway runs as it
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents if d["kind"] == "Deployment"}
+    assert [name for name, spec in pods.items() if "serviceAccountName" in spec] == ["tito-gateway"]
+
+
+def test_envoy_and_processor_share_the_endpoints_file(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
+    gateway = _object("Deployment", "tito-gateway")
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    folder = str(Path(config.listener.engine_endpoints_file).parent)
+
+    def mount(container: dict[str, Any]) -> dict[str, Any]:
+        (found,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+        return dict(found)
+
+    envoy, processor = (mount(_container(gateway, name)) for name in ("envoy", "processor"))
+    # the bootstrap writer leaves the first endpoints file there (Envoy refuses a missing one)
+    writer = mount(_container(gateway, "envoy-config", init=True))
+    # one emptyDir: the processor writes the engines there, Envoy watches them
+    assert envoy["name"] == processor["name"] == writer["name"]
+    assert volumes[envoy["name"]] == {"name": envoy["name"], "emptyDir": {}}
+    assert not processor.get("readOnly", False) and not writer.get("readOnly", False)
+
+
+def test_engines_are_scaled_deployments_behind_headless_services() -> None:
+    for name, replicas in (("vllm-engine", 2), ("vllm-engine-b", 1)):
+        deployment = _object("Deployment", name)
+        assert deployment["spec"]["replicas"] == replicas  # `kubectl scale` changes it, nothing else
+        # headless: the name resolves to every Ready pod (DNS discovery where the CRD is absent)
+        service = _object("Service", name)
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+        assert _backend_port(service, "http") == _port(_container(deployment, "engine"), "http")
+        # its readiness is what makes a pod Ready, i.e. a member of the pool (and a DNS record)
+        assert _container(deployment, "engine")["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_engines_publish_what_the_processor_subscribes_to(tmp_path: Path) -> None:
+    config = _cluster_config(tmp_path)
     engines = _object("Deployment", "vllm-engine")
     engine = _container(engines, "engine")
-    assert f"--port={_backend_port(service, 'http')}" in engine["args"]
     assert "--enable-scale-out" in engine["args"]
     _assert_publishes_kv_events(engine["args"], config)
-    published = {p["port"] for p in service["spec"]["ports"]}
-    assert {int(e.rsplit(":", 1)[1]) for e in _kv_event_endpoints(config)} <= published
+    # each discovered pod's publisher and replay ports are open on the engine container
+    assert _kv_event_ports(config) <= {p["containerPort"] for p in engine["ports"]}
     render = _container(_object("Deployment", "tito-gateway"), "render")
     model_flags = [
         f"--model={config.model.path}",
@@ -398,11 +604,8 @@ def test_engines_are_the_engine_service(tmp_path: Path) -> None:
     assert generated == ["tiny-model", "--cache-dir", "/models", "--vocab-size", "1024", "768"]
 
 
-def test_the_second_base_model_has_its_render_sidecar_and_engine_service(tmp_path: Path) -> None:
+def test_the_second_base_model_has_its_render_sidecar_and_engines(tmp_path: Path) -> None:
     (base,) = _cluster_config(tmp_path).models
-    service = _object("Service", "vllm-engine-b")
-    (port,) = service["spec"]["ports"]
-    assert [(i.host, i.port) for p in base.pools for i in p.instances] == [(service["spec"]["clusterIP"], port["port"])]
     engines = _object("Deployment", "vllm-engine-b")
     engine = _container(engines, "engine")
     render = _container(_object("Deployment", "tito-gateway"), "render-b")
@@ -442,7 +645,10 @@ def test_mesh_filter_is_the_rendered_ext_proc_filter(tmp_path: Path) -> None:
 
 
 def test_bootstrap_with_the_mesh_filter_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
-    bootstrap = yaml.safe_load(render_bootstrap(_cluster_config(tmp_path)))
+    config = _cluster_config(tmp_path)
+    config.listener.engine_endpoints_file = str(tmp_path / "run" / "engines.eds.json")  # the pod's folder is not here
+    # written as the initContainer writes it: with the endpoints file Envoy starts from
+    bootstrap = yaml.safe_load(write_bootstrap(config, tmp_path / "envoy.yaml").read_text())
     mesh = copy.deepcopy(_mesh_patch()["patch"]["value"])
     # Istio's outbound cluster does not exist outside the mesh: the bootstrap's processor cluster
     mesh["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "ext_proc"
@@ -474,6 +680,10 @@ def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) ->
     assert sorted(m["uri"]["exact"] for m in route["match"]) == sorted(rendered)
     engine = _object("Service", "vllm-engine")
     (port,) = [p for p in engine["spec"]["ports"] if p["name"] == "http"]
+    # headless: at a gateway Istio's cluster for it is EDS of its Ready pods, the hosts an
+    # override_host patch picks among; the processor finds the same pods itself (no IP list)
+    assert engine["spec"]["clusterIP"] == "None"
+    assert not [i for p in config.pools for i in p.instances] and config.pools[0].discovery.dynamic
     (destination,) = route["route"]
     assert destination["destination"] == {
         "host": f"{engine['metadata']['name']}.{engine['metadata']['namespace']}.svc.cluster.local",
