@@ -116,7 +116,9 @@ def gateway_config(
     for key, value in sections.items():
         raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) and isinstance(value, dict) else value
     # `tito up`'s engines publish KV cache events on port pairs from here (one pair each)
-    raw["local"].setdefault("kv_events_port", free_ports(2 * sum(len(p["instances"]) for p in raw["pools"])))
+    raw["local"].setdefault(
+        "kv_events_port", free_ports(max(2, 2 * sum(len(p.get("instances", [])) for p in raw["pools"])))
+    )
     return TitoConfig.model_validate(raw)
 
 
@@ -348,7 +350,7 @@ def start_gateway(
     render_port = render_port or stack.config.render_config.endpoint.port
     sections["model"] = {**stack.config.model.model_dump(), "path": stack.model_path, **sections.get("model", {})}
     config = gateway_config(work, render_port, engines, stack.model_path, **sections)
-    gateway = LocalStack(config, work)
+    gateway = LocalStack(config, work, elastic=False)  # (a discovered pool's engines run elsewhere)
     try:
         gateway.start_gateway()
         gateway.wait_ready()

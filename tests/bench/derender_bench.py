@@ -34,7 +34,7 @@ from ext_proc.derender.pipeline import InProcessDerender, StreamDerender
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, added_token_ids, vocab_size_of
 from ext_proc.observability.request import Observability
 from ext_proc.observability.tracing import tracer_with
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 from ext_proc.tools.tiny_model import ensure_tiny_model
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -35,7 +35,7 @@ import orjson
 from ext_proc.config import LocalStackConfig, ModelConfig, RenderConfig, RenderEndpoint
 from ext_proc.frontend.render import RenderClient, Renderer
 from ext_proc.frontend.render_pool import RenderPool, pool_member
-from ext_proc.protocol import Pipeline, OpenAIRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline
 from ext_proc.tools.local_stack import OFFLINE, ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from render_sidecar.launch import render_command

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 EOS = "<|im_end|>"

@@ -10,7 +10,7 @@ import pytest
 from ext_proc.derender.pipeline import StreamDerender, parse_event
 from ext_proc.derender.sidecar import DerenderClient, SidecarStream
 from ext_proc.errors import GatewayError
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
 

@@ -12,7 +12,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.frontend.token_only import generate_body
 from ext_proc.obfuscation import KeyedPermutation, TokenCodec, build_codec
 from ext_proc.planning.planner import Planner
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 from ext_proc.server import build_scheduler
 
 VOCAB = 1000

@@ -12,7 +12,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
 from ext_proc.planning.plan import Native, Owned
 from ext_proc.planning.planner import Planner
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 from ext_proc.server import build_scheduler
 from scheduler import Role
 

@@ -12,7 +12,7 @@ import pytest
 
 from ext_proc.frontend.render import RenderRejected, RenderUnavailable
 from ext_proc.frontend.render_pool import RenderPool, pool_member
-from ext_proc.protocol import Pipeline, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -23,7 +23,7 @@ import pytest
 from ext_proc.config import ModelConfig
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render_prefix_cache import PrefixTokenCache, boundary_pattern, pieces
-from ext_proc.protocol import Pipeline, OpenAIRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline
 from tests.conftest import missing
 
 CONVERSATIONS = 5000

@@ -13,7 +13,7 @@ import pytest
 
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.tokenization import LocalTokenizer
-from ext_proc.protocol import Pipeline, OpenAIRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline
 from tests.conftest import missing
 
 
