@@ -88,7 +88,7 @@ def readiness(services: Services) -> dict[str, bool]:
 _UNREADY = {
     "serving": "draining",
     "tokenization": "render is down or disagrees with the engines' tokenizer, and no local tokenizer may stand in",
-    "engines": "every engine's breaker is open",
+    "engines": "no engine may be sent a request (every breaker open, or none found)",
 }
 
 

@@ -113,8 +113,11 @@ class CapabilitiesConfig(Section):
     retry_min_s: float = 0.5
     retry_max_s: float = 5.0
     # liveness: every engine's `GET /health` this often, and at once after a client request
-    # failed on it; one that fails it (no connection, a 5xx, no answer within
-    # health_timeout_s) stops routing at once and is probed with the backoff above, and its
-    # first passing check after that brings on the full probe at once
+    # failed on it; one that fails it (no connection, a 5xx, or no answer within
+    # health_timeout_s `health_timeouts` times in a row) stops routing at once and is probed
+    # with the backoff above, and its first passing check after that brings on the full
+    # probe at once. A saturated engine's server answers late (measured: 64 streams on two
+    # cores), a hung one never: one late answer is not a death.
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)  # per liveness check
+    health_timeouts: int = Field(default=3, ge=1)

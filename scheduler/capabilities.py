@@ -168,6 +168,8 @@ def unready_pools(pools: Mapping[str, Mapping[str, str | None]]) -> dict[str, st
     there are none: a gateway that cannot place a request must not take one."""
     return {
         pool: "no engine routes (" + "; ".join(f"{address} {why}" for address, why in engines.items()) + ")"
+        if engines
+        else "no engine found (a discovered pool with no instance)"
         for pool, engines in pools.items()
         if all(why is not None for why in engines.values())
     }

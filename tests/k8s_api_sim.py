@@ -393,6 +393,12 @@ class K8sApiSim:
         }
         self._commit(POOLS, "ADDED", pool, None)
 
+    def pods(self) -> dict[str, Obj]:
+        """The namespace's pods as stored now, by name (copies: for reading only)."""
+        return {
+            name: copy.deepcopy(pod) for (ns, name), pod in self._objects[PODS.plural].items() if ns == self.namespace
+        }
+
     def delete_inference_pool(self, name: str) -> None:
         self._delete(POOLS, name)
 

@@ -1,7 +1,7 @@
 """The engines' cluster as Envoy's EDS reads it from a file, when a pool is discovered.
 
-Why a file and not a STATIC host list, STRICT_DNS or ORIGINAL_DST (measured, see
-docs/architecture.md "Elastic pools"): the processor picks the engine and names it, with its
+Why a file and not a STATIC host list, STRICT_DNS or ORIGINAL_DST (measured: docs/scale-out.md
+"Elastic pools"): the processor picks the engine and names it, with its
 ordered fallbacks, in `envoy.lb` metadata for `override_host`, which skips an address that is
 not a member of the cluster. So Envoy's members must be exactly the processor's: STRICT_DNS
 would resolve on its own clock (and cannot follow Kubernetes pods), ORIGINAL_DST reads one
@@ -30,8 +30,8 @@ def load_assignment(members: Iterable[tuple[str, int]], version: int) -> bytes:
     """A DiscoveryResponse holding the cluster's ClusterLoadAssignment (what a path EDS
     source reads)."""
     endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": host.strip("[]"), "port_value": port}}}}
-        for host, port in sorted(set(members))
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for host, port in sorted({(host.strip("[]"), port) for host, port in members})
     ]
     resource = {"@type": LOAD_ASSIGNMENT, "cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]}
     return orjson.dumps({"version_info": str(version), "resources": [resource]})

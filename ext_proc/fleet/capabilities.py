@@ -91,6 +91,7 @@ class Capabilities:
         # Engines whose last liveness check failed (and no probe passed since): their next
         # passing check brings on the full probe at once
         self._down: set[str] = set()
+        self._late: dict[str, int] = {}  # liveness checks in a row that got no answer in time
         self._lora_marks: dict[str, int] = {}  # the gateway's loads each engine's listing knows of
         self._probing: set[str] = set()  # endpoints whose probe runs now
         self._checking: set[str] = set()  # engines whose liveness check runs now
@@ -114,7 +115,7 @@ class Capabilities:
         """The instance left: its record, checks and listing go (a probe of it still running
         finds it gone and keeps nothing)."""
         self._instances.pop(address, None)
-        for table in (self.engines, self.assessments, self._due, self._health_due, self._lora_marks):
+        for table in (self.engines, self.assessments, self._due, self._health_due, self._lora_marks, self._late):
             table.pop(address, None)
         self._down.discard(address)
         self._catalog.forget(address)
@@ -154,9 +155,10 @@ class Capabilities:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 wait = self._next_due() - self._clock()
-                if wait > 0:
+                if wait > 0:  # (asyncio.timeout: 3.11's wait_for can swallow a cancellation)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait)
+                        async with asyncio.timeout(wait):
+                            await self._wake.wait()
         finally:
             for task in tasks:
                 task.cancel()
@@ -193,10 +195,15 @@ class Capabilities:
         """One liveness check of this engine, now."""
         try:
             failure = await self._prober.alive(address)
+            self._late.pop(address, None)
             if address in self._instances:  # (it may have left meanwhile)
                 self._checked(address, failure)
         except httpx.PoolTimeout:
             pass  # nothing learned: the next check asks again
+        except httpx.TimeoutException as exc:  # late: dead only when it keeps being late
+            late = self._late[address] = self._late.get(address, 0) + 1
+            if late >= self._settings.health_timeouts and address in self._instances:
+                self._checked(address, failure_reason(exc))
         finally:
             self._checking.discard(address)
             if address in self._instances:
@@ -245,7 +252,8 @@ class Capabilities:
             old = self.renders.get(name)
             if is_render and (old is None or old.error is None):  # an engine's verdict says it (`_log`)
                 log.warning("capabilities of render %s: %s; trying again", name, failure)
-            self._failed(name, failure)
+            if not self._busy(name, exc):
+                self._failed(name, failure)
             self._schedule(name, failure)
             return
         if name not in self._due:
@@ -255,6 +263,13 @@ class Capabilities:
             self._lora_marks[name] = lora_mark
         self._down.discard(name)  # it answered: a check that fails from now on holds it out again
         self._schedule(name, None)
+
+    def _busy(self, name: str, exc: Exception) -> bool:
+        """A refresh of a routing engine's record that got no answer in time: a busy engine
+        (its liveness checks decide whether it is dead); its record stands, retried soon."""
+        record = self.engines.get(name)
+        late = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.PoolTimeout)
+        return late and record is not None and record.complete and record.error is None
 
     def _failed(self, name: str, failure: str) -> None:
         """The endpoint failed a probe or liveness check: its last good record stays (what it

@@ -115,12 +115,13 @@ class Prober:
 
     async def alive(self, address: str) -> str | None:
         """Why the engine is not alive (None: its server answers `GET /health` with anything
-        but a 5xx; one without the route is up all the same). httpx.PoolTimeout: this
-        process's connections are all taken, which says nothing about the engine."""
+        but a 5xx; one without the route is up all the same). Raises httpx.TimeoutException
+        when no answer came in time (httpx.PoolTimeout: this process's connections are all
+        taken, which says nothing about the engine)."""
         url = f"http://{address}/health"
         try:
             response = await self._http.get(url, headers=PROBE_HEADERS, timeout=self._health_timeout_s)
-        except httpx.PoolTimeout:
+        except httpx.TimeoutException:
             raise
         except httpx.HTTPError as exc:
             return failure_reason(exc)

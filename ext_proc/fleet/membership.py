@@ -136,6 +136,10 @@ class Membership:
         for address in sorted(here - wanted.keys()):
             self._leave(address, now)
         for address in sorted(wanted.keys() - here):
+            if address in self.members:  # one engine, one pool (the config's rule for listed ones too)
+                log.warning("engine %s found for pool %s is already in pool %s: ignored", address, pool.name,
+                            self.members[address][0].name)  # fmt: skip
+                continue
             instance = pool.discovered(wanted[address].host, wanted[address].port)
             hold = self._dampers[pool.name].hold(address, now)
             if hold > 0:
@@ -207,8 +211,11 @@ class Membership:
                     del self._pending[address]
                     self._join(pending.pool, pending.instance)
             wait = min((p.due for p in self._pending.values()), default=now + 3600) - now
+            # (asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives with the wake-up, and the loop would never end)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+                async with asyncio.timeout(max(wait, 0.0)):
+                    await self._wake.wait()
 
     # -- what operators see
 
@@ -231,6 +238,11 @@ class Membership:
                 "leaves": self.leaves[pool.name],
             }
         return pools
+
+    def empty_pools(self) -> list[PoolConfig]:
+        """The pools without a member now."""
+        held = {p.name for p, _ in self.members.values()}
+        return [pool for pool in self._config.pools if pool.name not in held]
 
     def addresses(self) -> list[tuple[str, int]]:
         """(host, port) of every member (the endpoints Envoy may send to)."""

@@ -152,10 +152,10 @@ def request_scale(run_dir: Path, pool: str, size: int) -> None:
 
 def read_state(run_dir: Path) -> dict[str, dict[str, object]]:
     try:
-        state: dict[str, dict[str, object]] = json.loads((run_dir / STATE_FILE).read_text())
-        return state
+        state = json.loads((run_dir / STATE_FILE).read_text())
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) else {}
 
 
 def wait_scaled(run_dir: Path, pool: str, size: int, admin_url: str, timeout_s: float) -> list[str] | None:

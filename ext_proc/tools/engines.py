@@ -1,5 +1,5 @@
 """`tito engines --config FILE`: what every engine and render endpoint of a config serves
-(of every base model),
+(of every base model; a discovered pool's engines as its discovery finds them now),
 probed now the way a processor probes them at start-up (`ext_proc/fleet/capabilities.py`),
 one line each: what it serves, what differs from the config, whether it routes and how.
 
@@ -15,19 +15,27 @@ from typing import Any
 
 from ext_proc.config import TitoConfig, load_config
 from ext_proc.fleet.capabilities import Capabilities
+from ext_proc.fleet.discovery import discover_once
 from ext_proc.fleet.http_client import http_client
+from ext_proc.fleet.membership import Membership
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.server import build_render_pool, build_scheduler
 
 
-async def probe(config: TitoConfig) -> Capabilities:
-    """One probe round over every endpoint of the config, decided."""
+async def probe(config: TitoConfig) -> tuple[Capabilities, Membership]:
+    """One probe round over every endpoint of the config (and what its discovered pools find
+    now), decided."""
     http, _ = http_client(config)
     async with http:
         tokenization = TokenizationService(await build_render_pool(config, http), LocalTokenizer(None))
-        capabilities = Capabilities(config, build_scheduler(config, gated=True), tokenization, http)
+        scheduler = build_scheduler(config, gated=True)
+        capabilities = Capabilities(config, scheduler, tokenization, http)
+        membership = Membership(config, scheduler, capabilities, lambda pool, instance: [])
+        for pool in config.pools:
+            if pool.discovery.dynamic:
+                membership.publish(pool, await discover_once(pool))
         await capabilities.refresh()
-    return capabilities
+    return capabilities, membership
 
 
 def engine_line(address: str, role: str, record: dict[str, Any]) -> str:
@@ -60,12 +68,13 @@ def render_line(name: str, record: dict[str, Any]) -> str:
     return f"{line} -> {'used' if record['used'] else 'not used (tokenizer mismatch)'}"
 
 
-def report(config: TitoConfig, capabilities: Capabilities) -> list[str]:
+def report(capabilities: Capabilities, membership: Membership) -> list[str]:
     snapshot = capabilities.snapshot()
     lines = [render_line(name, record) for name, record in snapshot["render"].items()]
-    for pool in config.pools:
-        for instance in pool.instances:
-            lines.append(engine_line(instance.address, pool.role, snapshot["engines"][instance.address]))
+    for address, (pool, _) in membership.members.items():
+        found = f"{pool.role}, {pool.discovery.source}" if pool.discovery.dynamic else pool.role
+        lines.append(engine_line(address, found, snapshot["engines"][address]))
+    lines += [f"pool {pool.name} ({pool.discovery.source}): no instance found" for pool in membership.empty_pools()]
     return lines
 
 
@@ -77,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("tito").setLevel(logging.ERROR)  # the lines below say it all
     ready = True
     for base in load_config(args.config).bases():  # each base model: its render endpoints and engines
-        capabilities = asyncio.run(probe(base))
-        for line in report(base, capabilities):
+        capabilities, membership = asyncio.run(probe(base))
+        for line in report(capabilities, membership):
             print(line)
         ready = ready and capabilities.ready()
     return 0 if ready else 1

@@ -52,17 +52,20 @@ class RestartPolicy:
 
     def __init__(self, restartable: Iterable[str], backoff: Backoff | None = None) -> None:
         self._restartable = frozenset(restartable)
+        self._removed: frozenset[str] = frozenset()  # stopped on purpose: their exit means nothing
         self.backoff = backoff or Backoff()
         self._history: dict[str, _History] = {}
 
     def add(self, name: str, now: float) -> None:
         """A process started while the stack runs (an engine `tito scale` added): restarted too."""
         self._restartable |= {name}
+        self._removed -= {name}
         self.started(name, now)
 
     def remove(self, name: str) -> None:
         """A process stopped on purpose (`tito scale` down): neither restarted nor fatal."""
         self._restartable -= {name}
+        self._removed |= {name}
         self._history.pop(name, None)
 
     def restartable(self, name: str) -> bool:
@@ -72,7 +75,7 @@ class RestartPolicy:
         """Any exited process that is not restarted ends the stack; restartable ones never do,
         not even all of them at once (they come back; meanwhile the gateway's breakers, and
         the local tokenizer for render, carry the requests)."""
-        return any(not self.restartable(name) for name in dead)
+        return any(not self.restartable(name) and name not in self._removed for name in dead)
 
     def started(self, name: str, now: float) -> None:
         history = self._history.setdefault(name, _History(started=now))

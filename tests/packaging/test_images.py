@@ -24,7 +24,8 @@ import httpx
 import pytest
 import yaml
 
-from ext_proc.config import Endpoint, TitoConfig, load_config
+from ext_proc.config import Endpoint, InstanceConfig, TitoConfig, load_config
+from ext_proc.config_discovery import DiscoveryConfig
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.conftest import free_port, missing, port_open
@@ -224,8 +225,10 @@ def _on_local_ports(config: TitoConfig, model: Path, render_port: int) -> TitoCo
 
 
 def _localized(args: tuple[str, ...], tmp: Path, config: TitoConfig) -> list[str]:
-    """The command with the container's paths made local (`config` written where it mounts its own)."""
-    (tmp / "tito.yaml").write_text(config.to_yaml())
+    """The command with the container's paths made local (`config` written where it mounts its
+    own; the engines' endpoints file in `tmp`, not the pod's shared volume)."""
+    listener = config.listener.model_copy(update={"engine_endpoints_file": str(tmp / "run" / "engines.eds.json")})
+    (tmp / "tito.yaml").write_text(config.model_copy(update={"listener": listener}).to_yaml())
     paths = {
         "/etc/tito/tito.yaml": tmp / "tito.yaml",
         "/models": tmp / "models",
@@ -293,8 +296,10 @@ def image_gateway(image: Environment, tmp_path: Path, envoy_bin: Path) -> Iterat
     config = _on_local_ports(deployed.config, model, free_port())
     config.listener.host, config.listener.admin_host = "127.0.0.1", "127.0.0.1"
     config.listener.port, config.listener.admin_port = free_port(), free_port()
-    engine = config.pools[0].instances[0].model_copy(update={"host": "127.0.0.1", "port": server.sim.port})
-    config.pools[0].instances = [engine]
+    config.listener.engine_endpoints_file = str(tmp_path / "run" / "engines.eds.json")  # (as _localized has it)
+    # the compose pool is discovered through Docker's DNS: here, the simulator listed instead
+    engine = InstanceConfig(host="127.0.0.1", port=server.sim.port)
+    config.pools[0] = config.pools[0].model_copy(update={"instances": [engine], "discovery": DiscoveryConfig()})
     processor = image.start(_localized(deployed.args, tmp_path, config), tmp_path / "processor.log")
     envoy = subprocess.Popen(
         [

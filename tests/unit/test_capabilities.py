@@ -328,6 +328,9 @@ async def test_what_a_liveness_check_counts_as_dead(fault: str | int, why: str |
         await capabilities.refresh()
         if fault == "hung":
             engines.hung.add(ONE)
+            for _ in range(config.capabilities.health_timeouts - 1):  # late answers: not dead yet
+                await capabilities.check(ONE)
+                assert scheduler.held_out == {}
         else:
             engines.health_status = int(fault)
         await capabilities.check(ONE)

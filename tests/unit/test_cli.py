@@ -23,6 +23,7 @@ from tests.conftest import missing
 ROOT = Path(__file__).resolve().parents[2]
 EVERY_COMMAND = {
     "up",
+    "scale",
     "processor",
     "render",
     "vllm",
@@ -36,6 +37,7 @@ EVERY_COMMAND = {
 # Each command with the arguments it requires, to parse it with the global options around.
 REQUIRED = {
     "bench": ["--gateway", "http://g", "--native", "http://n"],
+    "scale": ["2"],
     "conformance": ["--gateway", "http://g", "--native", "http://n", "--model", "m"],
 }
 

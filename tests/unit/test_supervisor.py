@@ -98,6 +98,41 @@ def test_the_processor_or_envoy_exiting_ends_the_stack_engines_alone_never_do() 
     assert not policy.ends_stack([])
 
 
+def test_an_engine_added_while_the_stack_runs_is_restarted_and_never_ends_the_stack() -> None:
+    policy = _policy()
+    assert not policy.restartable("engine2") and policy.ends_stack(["engine2"])
+    policy.add("engine2", 100.0)  # `tito scale` started it
+    assert policy.restartable("engine2") and not policy.ends_stack(["engine2"])
+    assert not policy.ends_stack(["engine0", "engine2"])
+    restart = policy.exited("engine2", 101.0)  # crashed soon after its start: backs off as the others do
+    assert (restart.attempt, restart.delay_s, restart.due) == (1, 1, 102.0)
+    assert policy.waiting("engine2") and policy.due(102.0) == ["engine2"]
+    policy.started("engine2", 102.0)
+    assert policy.exited("engine2", 103.0).attempt == 2  # its history is its own: the crash loop counts
+
+
+def test_an_engine_removed_on_purpose_is_not_restarted() -> None:
+    policy = _policy()
+    policy.add("engine2", 0.0)
+    policy.exited("engine2", 10.0)  # its restart was waiting when `tito scale` stopped it
+    policy.remove("engine2")
+    assert not policy.restartable("engine2") and not policy.waiting("engine2")
+    assert policy.due(1000.0) == []  # the waiting restart is dropped with it
+    with pytest.raises(ValueError):
+        policy.exited("engine2", 20.0)
+    assert policy.restartable("engine0") and not policy.ends_stack(["engine0"])  # the others keep theirs
+    policy.add("engine2", 30.0)  # scaled up again later: restartable anew, from attempt 1
+    assert policy.exited("engine2", 31.0).attempt == 1
+
+
+def test_an_engine_removed_on_purpose_does_not_end_the_stack_when_found_exited() -> None:
+    """`remove`'s contract: "neither restarted nor fatal" (a stopped engine is found exited)."""
+    policy = _policy()
+    policy.add("engine2", 0.0)
+    policy.remove("engine2")
+    assert not policy.ends_stack(["engine2"])
+
+
 def test_the_restart_line_names_the_process_its_exit_the_attempt_the_delay_and_the_log() -> None:
     line = restart_line(Restart("engine0", 3, 4.0, 12.0), -9, Path("/run/logs/engine0.log"))
     assert line == "engine0 exited with signal SIGKILL; restart 3 in 4 s (log: /run/logs/engine0.log)"
@@ -124,6 +159,8 @@ class _Stack:
         self.processes = {name: _Stub(work_dir / "logs" / f"{name}.log") for name in names}
         self.restarts: list[str] = []
         self.config = TitoConfig.model_validate({"local": {"colocate_engine_core": False}})
+        self.scale_up: list[str] = []
+        self.scale_down: list[str] = []
 
     def restartable(self) -> set[str]:
         return {name for name in self.processes if name.startswith(("render", "engine"))}
@@ -134,6 +171,21 @@ class _Stack:
     def restart(self, name: str) -> None:
         self.restarts.append(name)
         self.processes[name].returncode = None
+
+    def scale(self, policy: RestartPolicy, now: float) -> list[str]:
+        """`tito scale` steps, as LocalStack takes them: `scale_up` names start (and are
+        restarted from then on), `scale_down` names are stopped on purpose and forgotten."""
+        started = []
+        while self.scale_up:
+            name = self.scale_up.pop(0)
+            self.processes[name] = _Stub(self.work_dir / "logs" / f"{name}.log")
+            policy.add(name, now)
+            started.append(name)
+        while self.scale_down:
+            name = self.scale_down.pop(0)
+            policy.remove(name)
+            self.processes.pop(name).returncode = -15
+        return started
 
 
 def _supervision(tmp_path: Path) -> tuple[_Stack, Supervision]:
@@ -173,6 +225,22 @@ def test_the_loop_ends_the_stack_when_the_processor_or_envoy_exits(
         assert not supervision.step(5.0)
         assert stack.restarts == []
         assert capsys.readouterr().err.startswith(f"stopping: {name} (code 1) exited")
+
+
+def test_the_loop_restarts_an_engine_scaled_up_and_forgets_one_scaled_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack, supervision = _supervision(tmp_path)
+    stack.scale_up.append("engine2")
+    assert supervision.step(1.0) and "engine2" in stack.processes
+    stack.processes["engine2"].returncode = 1  # crashes: restarted as the configured engines are
+    assert supervision.step(2.0) and "engine2 exited with code 1; restart 1 in 1 s" in capsys.readouterr().err
+    assert supervision.step(3.0) and stack.restarts == ["engine2"]
+    stack.scale_down.append("engine2")
+    assert supervision.step(4.0) and "engine2" not in stack.processes
+    stack.processes["engine1"].returncode = 1
+    assert supervision.step(5.0)  # the stack goes on; the stopped engine is not restarted
+    assert supervision.step(100.0) and stack.restarts == ["engine2", "engine1"]
 
 
 # A leader that starts a child in its own process group (as vLLM's API server starts its

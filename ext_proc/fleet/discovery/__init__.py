@@ -9,6 +9,8 @@ leavers, damping flaps) is `fleet/membership.py`'s.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,3 +50,20 @@ def source_for(pool: PoolConfig) -> Source | None:
 
         return KubernetesSource(discovery, pool.role)
     return None
+
+
+async def discover_once(pool: PoolConfig, timeout_s: float = 10.0) -> frozenset[Found]:
+    """The pool's first publication (a static pool, or none within `timeout_s`: nothing)."""
+    source = source_for(pool)
+    if source is None:
+        return frozenset()
+    first: asyncio.Future[frozenset[Found]] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(source.run(lambda found: first.done() or first.set_result(found)))
+    try:
+        return await asyncio.wait_for(first, timeout_s)
+    except TimeoutError:
+        return frozenset()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,30 @@
+"""The chaos soak, short (`python -m tests.bench.fleet_soak chaos` runs 5 cycles under 32
+streams): one real CPU engine of two SIGKILLed under 16 concurrent greedy streams, on the
+`two_engines` stack (relay on). Every stream completes as a client expects (finish `length`,
+its usage, one `[DONE]`, no error event), those on the killed engine relayed; nothing is
+leaked; `tito up` restarts the engine itself and it routes again. Runs after the relay test
+(this file sorts after test_owned_real.py), which also kills an engine of this stack."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ext_proc.tools.local_stack import run_dir
+from tests.bench import fleet_soak
+from tests.conftest import RunningStack
+
+
+def test_an_engine_killed_under_load_is_restarted_and_nothing_is_lost(two_engines: RunningStack) -> None:
+    stack = fleet_soak.Stack(two_engines.config, two_engines.process, run_dir(two_engines.config))
+    victim = two_engines.config.pools[0].instances[0]
+
+    def restarts() -> int:  # `tito up`'s lines for engine0 (the relay test may have killed it before)
+        return sum("engine0 exited with signal SIGKILL; restart" in line for line in list(two_engines.output))
+
+    before = restarts()
+    result = asyncio.run(fleet_soak.chaos(stack, streams=16, max_tokens=64, cycles=1, victim=victim.address))
+    tally: fleet_soak.Tally = result["tally"]
+    assert not tally.lost and tally.completed == tally.started > 16, (tally, result)
+    assert result["kills"] == 1 and result["relays"] >= 1, result
+    assert not any(result["leaks"].values()), result["leaks"]
+    assert restarts() == before + 1, two_engines.output[-20:]
