@@ -117,7 +117,8 @@ class CapabilitiesConfig(Section):
     # health_timeout_s `health_timeouts` times in a row) stops routing at once and is probed
     # with the backoff above, and its first passing check after that brings on the full
     # probe at once. A saturated engine's server answers late (measured: 64 streams on two
-    # cores), a hung one never: one late answer is not a death.
+    # cores), a hung one never: one late answer is not a death (three times as many while
+    # the engine has legs running).
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)  # per liveness check
     health_timeouts: int = Field(default=3, ge=1)

@@ -239,7 +239,6 @@ def follow_membership(config: TitoConfig, services: Services) -> None:
     if not discovered(config) or config.processor.worker_index != 0:
         return
     endpoints = EndpointsFile(config.listener.engine_endpoints_file)
-
     memberships = [base.membership for base in services.bases if base.membership is not None]
 
     def write() -> None:

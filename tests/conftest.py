@@ -225,8 +225,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, envoy_bin: Path) -> Iterator
 @pytest.fixture(scope="session")
 def two_engines(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     """`tito up` with two CPU engines that publish KV cache events (the default), two processor
-    workers and relay on, shared by the scale-out and relay tests. The relay test kills an
-    engine: it runs last (tests/e2e/test_owned_real.py sorts after test_kv_events_real.py)."""
+    workers and relay on, shared by the scale-out and relay tests. The chaos test kills an
+    engine and waits for its restart; the relay test kills one and leaves it restarting: they
+    run last (tests/e2e/test_owned_chaos_real.py, then test_owned_real.py)."""
     work = tmp_path_factory.mktemp("twoengines")
     pools = [{"name": "union", "role": "union", "instances": [{"port": free_port()}, {"port": free_port()}]}]
     config = gateway_config(

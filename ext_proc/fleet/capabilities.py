@@ -202,7 +202,7 @@ class Capabilities:
             pass  # nothing learned: the next check asks again
         except httpx.TimeoutException as exc:  # late: dead only when it keeps being late
             late = self._late[address] = self._late.get(address, 0) + 1
-            if late >= self._settings.health_timeouts and address in self._instances:
+            if late >= self._late_limit(address) and address in self._instances:
                 self._checked(address, failure_reason(exc))
         finally:
             self._checking.discard(address)
@@ -263,6 +263,13 @@ class Capabilities:
             self._lora_marks[name] = lora_mark
         self._down.discard(name)  # it answered: a check that fails from now on holds it out again
         self._schedule(name, None)
+
+    def _late_limit(self, address: str) -> int:
+        """Late liveness answers in a row that make an engine dead: `health_timeouts`, three
+        times that while it has legs running (a saturated engine's server answers late; a
+        hung one's legs stall, which relay and the breakers deal with meanwhile)."""
+        serving = self._scheduler.ledger.active_requests(address) > 0
+        return self._settings.health_timeouts * (3 if serving else 1)
 
     def _busy(self, name: str, exc: Exception) -> bool:
         """A refresh of a routing engine's record that got no answer in time: a busy engine

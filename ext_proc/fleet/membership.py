@@ -114,6 +114,7 @@ class Membership:
         self.members: dict[str, tuple[PoolConfig, InstanceConfig]] = {
             i.address: (p, i) for p in config.pools for i in p.instances
         }
+        self._published: dict[str, dict[str, Found]] = {}  # each discovered pool's last publication
         self._pending: dict[str, _Pending] = {}  # damped joins
         self._dampers = {
             p.name: FlapDamper(p.discovery.flap_window_s, p.discovery.flap_hold_s, p.discovery.flap_hold_max_s)
@@ -127,29 +128,34 @@ class Membership:
     # -- what sources publish
 
     def publish(self, pool: PoolConfig, found: frozenset[Found]) -> None:
-        """The pool's membership now: who is new joins (or waits, if it flaps), who is gone
-        leaves."""
+        """The pool's membership now: who is gone leaves, who is new joins (or waits, if it
+        flaps). An engine is in one pool at a time: one that moves (a pod relabelled from
+        decode to prefill, published by both pools in either order) joins its new pool once
+        its old one has let it go."""
         now = self._clock()
-        wanted = {f.address: f for f in found}
+        self._published[pool.name] = wanted = {f.address: f for f in found}
         here = {a for a, (p, _) in self.members.items() if p.name == pool.name}
         here |= {a for a, pending in self._pending.items() if pending.pool.name == pool.name}
         for address in sorted(here - wanted.keys()):
             self._leave(address, now)
-        for address in sorted(wanted.keys() - here):
-            if address in self.members:  # one engine, one pool (the config's rule for listed ones too)
-                log.warning("engine %s found for pool %s is already in pool %s: ignored", address, pool.name,
-                            self.members[address][0].name)  # fmt: skip
-                continue
-            instance = pool.discovered(wanted[address].host, wanted[address].port)
-            hold = self._dampers[pool.name].hold(address, now)
-            if hold > 0:
-                log.warning(
-                    "engine %s (pool %s) is back soon after leaving: routes in %.1f s", address, pool.name, hold
-                )
-                self._pending[address] = _Pending(now + hold, pool, instance)
-                self._wake.set()
-            else:
-                self._join(pool, instance)
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        """Every published instance in no pool yet joins, or waits if it flaps."""
+        for pool in self._config.pools:
+            for address, found in sorted(self._published.get(pool.name, {}).items()):
+                if address in self.members or address in self._pending:
+                    continue
+                instance = pool.discovered(found.host, found.port)
+                hold = self._dampers[pool.name].hold(address, now)
+                if hold > 0:
+                    log.warning(
+                        "engine %s (pool %s) is back soon after leaving: routes in %.1f s", address, pool.name, hold
+                    )
+                    self._pending[address] = _Pending(now + hold, pool, instance)
+                    self._wake.set()
+                else:
+                    self._join(pool, instance)
 
     def _join(self, pool: PoolConfig, instance: InstanceConfig) -> None:
         address = instance.address

@@ -138,6 +138,7 @@ class LocalStack:
         self.engine_paths = {b.model.served_name: self._engine_path(b, cache_dir) for b in self.config.bases()}
         self.elastic = self._elastic_pools() if elastic else []
         self.hosts_dir = work_dir / "dns"
+        self._state = b""  # the pools' state as last written
 
     def _elastic_pools(self) -> list[ElasticPool]:
         """The DNS-discovered pools this stack runs itself (engines behind its own dnsmasq)."""
@@ -213,8 +214,14 @@ class LocalStack:
         self.hosts_dir.mkdir(parents=True, exist_ok=True)
         for pool in self.elastic:
             write_atomically(self.hosts_dir / pool.key.replace("/", "_"), pool.records().encode())
-        state = {pool.key: pool.describe() for pool in self.elastic}
-        write_atomically(self.work_dir / STATE_FILE, json.dumps(state).encode())
+        self.write_state()
+
+    def write_state(self) -> None:
+        """What each elastic pool has now (`tito scale` waits on it), when it changed."""
+        state = json.dumps({pool.key: pool.describe() for pool in self.elastic}).encode()
+        if state != self._state:
+            write_atomically(self.work_dir / STATE_FILE, state)
+            self._state = state
 
     def _engine_env(self) -> dict[str, str]:
         return {
@@ -383,6 +390,7 @@ class LocalStack:
         for pool in self.elastic:
             pool.wanted = max(0, wanted.get(pool.key, pool.wanted))
             started += self._scale_pool(pool, policy, now)
+        self.write_state()
         return started
 
     def _scale_pool(self, pool: ElasticPool, policy: RestartPolicy, now: float) -> list[str]:

@@ -114,9 +114,10 @@ def cut_mid_answer(stack: RunningStack, body: dict[str, Any], attempts: int = 10
     raise AssertionError(f"every one of {attempts} answers reached the client whole before its engine was stopped")
 
 
-def relayed(stack: RunningStack, timeout: float = 5) -> int:
-    """The relays every processor worker counted, once the first one shows (or `timeout`)."""
+def relayed(stack: RunningStack, since: int = 0, timeout: float = 5) -> int:
+    """The relays every processor worker counted beyond `since`, once the first one shows
+    (or `timeout`)."""
     deadline = time.monotonic() + timeout
-    while relays(stack) < 1 and time.monotonic() < deadline:
+    while relays(stack) < since + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    return relays(stack)
+    return relays(stack) - since

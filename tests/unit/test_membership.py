@@ -137,9 +137,7 @@ async def _settle() -> None:
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
-    """Cancel a membership loop once it waits again: on Python 3.11 a cancellation that comes
-    in the same loop iteration as `_wake` is set is lost inside `asyncio.wait_for` (the loop
-    then runs on), so the tests let it settle first."""
+    """Cancel a membership loop once it waits again."""
     await _settle()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -372,3 +370,17 @@ async def test_instance_work_scrapes_metrics_when_they_are_a_load_source() -> No
         finally:
             for w in work:
                 w.close()
+
+
+@pytest.mark.parametrize("new_first", [True, False], ids=["new pool first", "old pool first"])
+async def test_an_engine_moving_between_pools_joins_the_new_once_the_old_lets_it_go(new_first: bool) -> None:
+    """A pod relabelled from decode to prefill: both pools publish, in either order."""
+    f = _Fixture(_config(_dns_pool("prefill", "prefill"), _dns_pool("decode", "decode")))
+    f.publish("decode", E1)
+    assert f.routed(Role.DECODE) == [E1.address]
+    steps = [("prefill", (E1,)), ("decode", ())]
+    for name, found in steps if new_first else steps[::-1]:
+        f.publish(name, *found)
+    assert f.routed(Role.PREFILL) == [E1.address] and f.routed(Role.DECODE) == []
+    assert f.membership.members[E1.address][0].name == "prefill"
+    assert f.scheduler.snapshot()["instances"][E1.address]["role"] == "prefill"
