@@ -111,10 +111,7 @@ def _events_config(kv_events: KvEventsEndpoint) -> dict[str, object]:
     """The engine binds the ports the gateway connects to (vllm-pd-and-kv-events-on-cpu.md §2)."""
 
     def bound(endpoint: str) -> str:
-        # every interface, except a loopback address: engines of one machine each on their own
-        # (`tito up`'s elastic pool) publish on the same port
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        return f"tcp://{host if host.startswith('127.') else '*'}:{port}"
+        return "tcp://*:" + endpoint.rsplit(":", 1)[1]
 
     return {
         "enable_kv_cache_events": True,

@@ -62,8 +62,9 @@ def with_model_paths(model: ModelConfig, n: int, cache_dir: Path) -> ModelConfig
 
 def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig]:
     """Every instance without `kv_events` publishes on the next `local.kv_events_port` pair,
-    when the prefix index is fed by events (a pool `tito up` runs elastically: one pair for
-    all its engines, each on its own loopback address)."""
+    when the prefix index is fed by events. (Not a pool `tito up` runs elastically: its
+    engines share one port, and vLLM's publisher binds every interface, so they would
+    collide; its index learns from routing records.)"""
     if config.scheduler.prefix_source != "kv_events":
         return config.pools
 
@@ -74,13 +75,7 @@ def _with_kv_events(config: TitoConfig, ports: Iterator[int]) -> list[PoolConfig
         endpoint = KvEventsEndpoint(endpoint=f"tcp://{i.host}:{port}", replay_endpoint=f"tcp://{i.host}:{port + 1}")
         return i.model_copy(update={"kv_events": endpoint})
 
-    def pool(p: PoolConfig) -> PoolConfig:
-        if runs_locally(p) and p.discovery.kv_events_port is None:
-            port = next(ports)
-            return p.model_copy(update={"discovery": p.discovery.model_copy(update={"kv_events_port": port})})
-        return p.model_copy(update={"instances": [instance(i) for i in p.instances]})
-
-    return [pool(p) for p in config.pools]
+    return [p.model_copy(update={"instances": [instance(i) for i in p.instances]}) for p in config.pools]
 
 
 def _http_ready(url: str, timeout: float = 2) -> bool:

@@ -310,13 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--cycles", type=int, default=5, help="chaos: kill-and-restart cycles")
     parser.add_argument("--sizes", type=int, nargs="+", default=[3, 1], help="scale: the sizes after 1")
+    parser.add_argument(
+        "--pause-for-restart", action="store_true", help="chaos: the streams pause while the engine restarts"
+    )
     args = parser.parse_args(argv)
     if args.scenario == "scale":
         with tito_up(replicas=1) as stack:
             result = asyncio.run(scale(stack, args.streams or 64, args.max_tokens, args.sizes))
     else:
         with tito_up(replicas=2) as stack:
-            result = asyncio.run(chaos(stack, args.streams or 32, args.max_tokens, args.cycles, stack.listed()[0]))
+            victim = stack.listed()[0]
+            under_load = not args.pause_for_restart
+            result = asyncio.run(chaos(stack, args.streams or 32, args.max_tokens, args.cycles, victim, under_load))
     return 0 if report(args.scenario, result) else 1
 
 
