@@ -361,6 +361,20 @@ def start_gateway(
     return config, gateway
 
 
+def start_discovered_gateway(
+    stack: RunningStack, work: Path, pools: list[dict[str, Any]]
+) -> tuple[TitoConfig, LocalStack]:
+    """A gateway over discovered pools (round robin, its own endpoints file for Envoy)."""
+    return start_gateway(
+        stack,
+        work,
+        [],
+        pools=pools,
+        scheduler={"policy": "round_robin"},
+        listener={"engine_endpoints_file": str(work / "eds" / "engines.json")},
+    )
+
+
 def start_sim_gateway(
     stack: RunningStack,
     work: Path,

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, free_port, metric, missing, start_gateway
+from tests.conftest import RunningStack, SimGateway, free_port, metric, missing, start_discovered_gateway
 from tests.dns_server import DnsServer
 from tests.engine_sim import EngineSim, Fault, SimServer
 
@@ -69,13 +69,8 @@ def elastic_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactor
     discovery = {"source": "dns", "name": NAME, "port": port, "nameserver": dns.nameserver}
     discovery |= {"flap_hold_s": 0.5, "flap_hold_max_s": 1.0}
     try:
-        config, gateway = start_gateway(
-            stack,
-            work,
-            [],
-            pools=[{"name": "union", "role": "union", "discovery": discovery}],
-            scheduler={"policy": "round_robin"},
-            listener={"engine_endpoints_file": str(work / "eds" / "engines.json")},
+        config, gateway = start_discovered_gateway(
+            stack, work, [{"name": "union", "role": "union", "discovery": discovery}]
         )
     except BaseException:
         dns.stop()

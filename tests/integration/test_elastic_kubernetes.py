@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from tests.conftest import RunningStack, SimGateway, free_port, start_gateway
+from tests.conftest import RunningStack, SimGateway, free_port, start_discovered_gateway
 from tests.engine_sim import EngineSim, SimServer
 from tests.k8s_api_sim import K8sApiSim
 
@@ -144,13 +144,8 @@ def cluster_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactor
     _baseline(api, port)
     discovery = {"source": "kubernetes", "namespace": NAMESPACE, "inference_pool": POOL, "api_url": api.url, **FLAP}
     try:
-        config, gateway = start_gateway(
-            stack,
-            work,
-            [],
-            pools=[{"name": "union", "role": "union", "discovery": discovery}],
-            scheduler={"policy": "round_robin"},
-            listener={"engine_endpoints_file": str(work / "eds" / "engines.json")},
+        config, gateway = start_discovered_gateway(
+            stack, work, [{"name": "union", "role": "union", "discovery": discovery}]
         )
     except BaseException:
         api.stop()
@@ -342,14 +337,7 @@ def pd(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     discovery |= FLAP
     pools = [{"name": role, "role": role, "discovery": discovery} for role in ("prefill", "decode")]
     try:
-        config, gateway = start_gateway(
-            stack,
-            work,
-            [],
-            pools=pools,
-            scheduler={"policy": "round_robin"},
-            listener={"engine_endpoints_file": str(work / "eds" / "engines.json")},
-        )
+        config, gateway = start_discovered_gateway(stack, work, pools)
     except BaseException:
         api.stop()
         for server in servers.values():
