@@ -7,6 +7,7 @@ they are on the wire; these models only carry what the gateway itself reasons ab
 from __future__ import annotations
 
 import enum
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -14,6 +15,26 @@ import orjson
 
 GENERATE_PATH = "/inference/v1/generate"
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, omitted from render output when equal
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """What the proxy in front lets the processor do with one request: tito's own Envoy allows
+    everything; a Gateway API Inference Extension gateway may name a subset of engines and may
+    not stream the response body through the processor (`envoy_protocol/epp.py`)."""
+
+    # The engines ("ip:port") the request's legs may use, relays too (EPP protocol §Endpoint
+    # Subset); None: any engine of the pool.
+    within: frozenset[str] | None = None
+    # The response body passes through the processor, so the request may become a token-only
+    # generate whose chunks are derendered. False: the engine's own route, the body as it came.
+    rewrites: bool = True
+
+
+# The data plane of the request being planned: set by the Envoy exchange around planning and
+# read once, when the rendered request is placed (`TokenizedRequest.data_plane`). None: the
+# request came some other way (tito's own Envoy allows everything).
+DATA_PLANE: ContextVar[DataPlane | None] = ContextVar("data_plane", default=None)
 
 
 class Pipeline(enum.Enum):
@@ -189,6 +210,7 @@ class TokenizedRequest:
     request_id: str  # the OpenAI-style response id (chatcmpl-… / cmpl-…)
     prompts: list[PromptTokens] = field(default_factory=list)
     tokenizer_source: Literal["render", "local"] = "render"
+    data_plane: DataPlane = DataPlane()  # what the proxy in front allows (tito's own Envoy: everything)
 
     @property
     def api(self) -> Pipeline:
@@ -230,6 +252,11 @@ class TokenizedRequest:
     def complete(self) -> bool:
         """Everything a token-only GenerateRequest needs is here (render, not a local fallback)."""
         return bool(self.prompts) and all(p.generate_request is not None for p in self.prompts)
+
+    @property
+    def rewritable(self) -> bool:
+        """It may become token-only generate legs: complete, and its answer passes through here."""
+        return self.complete and self.data_plane.rewrites
 
 
 def _flag(value: Any) -> bool:

@@ -41,6 +41,9 @@ class ScheduleRequest:
     charge_prompt: bool = True
     adapter: str | None = None  # the LoRA adapter the request names as `model` (None: the base model)
     adapter_path: str | None = None  # its path as the engines see it: part of their KV block hashes
+    # The only instances it may go to ("ip:port"), when the data plane names a subset (a GIE
+    # gateway's hint); None: any instance of the pool.
+    within: frozenset[str] | None = None
 
     @property
     def demand(self) -> int:
@@ -266,11 +269,14 @@ class Scheduler:
         eligible = [
             (n, i)
             for n, i in enumerate(pool.instances if pool else ())
-            if i.address not in skip and (needs is None or needs in i.capabilities)
+            if i.address not in skip
+            and (needs is None or needs in i.capabilities)
+            and (request.within is None or i.address in request.within)
         ]
         if not eligible:
             kind = f"{role.value} engine instance" + (f" with {needs.value}" if needs is not None else "")
-            return Rejection(503, f"no {kind}" + (" left to try" if skip else ""))
+            inside = " in the request's endpoint subset" if request.within is not None else ""
+            return Rejection(503, f"no {kind}{inside}" + (" left to try" if skip else ""))
         usable = [(n, i) for n, i in eligible if i.address not in self.held_out]
         if not usable:
             reasons = "; ".join(f"{i.address}: {self.held_out[i.address]}" for _, i in eligible)
@@ -358,11 +364,12 @@ class Scheduler:
         picked = self.pick(request, now, role)
         return picked if isinstance(picked, Rejection) else self.commit(picked)
 
-    def passthrough_hosts(self) -> tuple[str, ...]:
+    def passthrough_hosts(self, within: frozenset[str] | None = None) -> tuple[str, ...]:
         """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
-        breaker, least busy first, else any. It takes no lease and no half-open probe, and its
-        outcome is never breaker input."""
-        instances = [i for i in self.pool.instances if i.address not in self.held_out] or list(self.pool.instances)
+        breaker, least busy first, else any (of `within`, when given: none there, none). It
+        takes no lease and no half-open probe, and its outcome is never breaker input."""
+        members = [i for i in self.pool.instances if within is None or i.address in within]
+        instances = [i for i in members if i.address not in self.held_out] or members
         closed = [i for i in instances if self.breakers[i.address].state is BreakerState.CLOSED]
         ranked = sorted(closed or instances, key=lambda i: self.ledger.active_requests(i.address))
         return tuple(i.address for i in ranked)

@@ -47,7 +47,7 @@ from ext_proc.planning.topology import (
     shapes,
     trigger_batch,
 )
-from ext_proc.protocol import Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import DATA_PLANE, Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
 
 
@@ -75,8 +75,10 @@ class Planner:
         # Trigger callbacks reach the processor's admin port, never the public listener.
         self.metaserver = f"http://{config.processor.host}:{config.processor.admin_port}/v1/metaserver"
 
-    def passthrough(self) -> Passthrough:
-        return Passthrough(self.scheduler.passthrough_hosts())
+    def passthrough(self, within: frozenset[str] | None = None) -> Passthrough:
+        """Where a request goes that is not planned (an engine's own route, or a body the
+        gateway does not stream here): `within` the gateway's subset, if it names one."""
+        return Passthrough(self.scheduler.passthrough_hosts(within))
 
     def refuses_passthrough(self, headers: Mapping[str, str]) -> GatewayError | None:
         """501 for a POST with token obfuscation on: what the gateway does not render
@@ -106,6 +108,8 @@ class Planner:
         """A rendered request admitted and placed (`raw`: its body, for a native leg); what
         cannot be placed is answered locally and takes nothing."""
         record, started = current(), time.perf_counter()
+        if (plane := DATA_PLANE.get()) is not None and plane != tokenized.data_plane:
+            tokenized = replace(tokenized, data_plane=plane)
         try:
             plan = await self._load_adapter(self.place(tokenized, raw), tokenized.request.adapter)
         except GatewayError as error:
@@ -181,11 +185,11 @@ class Planner:
         if batch and trigger_batch(offer):  # RFC: Trigger batches stay on the native path
             if self._config.obfuscation.enable:
                 raise GatewayError(501, TRIGGER_BATCH_OBFUSCATED, code="unsupported_with_obfuscation")
-        elif tokenized.complete and (batch or self._relays(tokenized, offer)):
+        elif tokenized.rewritable and (batch or self._relays(tokenized, offer)):
             owned = self._owned(tokenized, now)
             if owned is not None:
                 return owned
-        elif tokenized.complete:
+        elif tokenized.rewritable:
             pairing = ROUTED
         leg = self._leg(shapes(offer, pairing, batch=batch), self._routed_asks(tokenized), now)
         if isinstance(leg, Rejection):
@@ -198,7 +202,7 @@ class Planner:
             return TokenOnly(_kept(tokenized), legs, kv_params_required=self.kv_params_required)
         if (
             batch  # only a Trigger pool, or an instance without token-only generate, serves a batch natively
-            or not tokenized.complete
+            or not tokenized.rewritable
             or not self.scheduler.supports_token_only(leg.hosts[0])
         ):
             if self._config.obfuscation.enable:  # fail closed: a native endpoint gets plaintext
@@ -302,10 +306,10 @@ class Planner:
         committed ids, the budget left and the instances that failed."""
         budget = leg_max_tokens(self._config, tokenized, prompt, Role.UNION) if max_tokens is None else max_tokens
         now = self._clock() if now is None else now
-        adapter, n = tokenized.request.adapter, tokenized.n
-        decode = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **_lora(adapter))
-        alone = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, **_lora(adapter))
-        asks = _Asks(prompt, _prefill_request(lease_id, prompt, adapter, 0), decode, alone)
+        n, scope = tokenized.n, _scope(tokenized)
+        decode = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, charge_prompt=False, **scope)
+        alone = ScheduleRequest(lease_id, prompt.engine_ids, budget, n, **scope)
+        asks = _Asks(prompt, _prefill_request(lease_id, prompt, tokenized, 0), decode, alone)
         tried = shapes(Offer.of(self.scheduler.pools), PER_PROMPT, batch=len(tokenized.prompts) > 1)
         leg = self._leg(tried, asks, now, exclude)
         if isinstance(leg, Rejection):
@@ -344,18 +348,16 @@ class Planner:
         prompt of a batch and n × max_tokens for each; the first prompt's ids drive instance
         choice), or its first prompt's prefill and decode legs."""
         first, *rest = tokenized.prompts
-        n, adapter, rid = tokenized.n, tokenized.request.adapter, tokenized.request_id
+        n, rid, scope = tokenized.n, tokenized.request_id, _scope(tokenized)
 
         def budget(prompt: PromptTokens, role: Role = Role.UNION) -> int:
             return leg_max_tokens(self._config, tokenized, prompt, role)
 
         others = sum(len(p.token_ids) + n * budget(p) for p in rest)
-        alone = ScheduleRequest(rid, first.engine_ids, budget(first), n, others, **_lora(adapter))
+        alone = ScheduleRequest(rid, first.engine_ids, budget(first), n, others, **scope)
         max_tokens = budget(first, Role.DECODE)
-        decode = ScheduleRequest(
-            f"{rid}-decode", first.engine_ids, max_tokens, n, charge_prompt=False, **_lora(adapter)
-        )
-        return _Asks(first, _prefill_request(rid, first, adapter, 0), decode, alone)
+        decode = ScheduleRequest(f"{rid}-decode", first.engine_ids, max_tokens, n, charge_prompt=False, **scope)
+        return _Asks(first, _prefill_request(rid, first, tokenized, 0), decode, alone)
 
     def trigger_prefill(self, plan: TokenOnly) -> Leg | None:
         """The prefill leg a Trigger decode engine called for: picked and committed now."""
@@ -365,7 +367,7 @@ class Planner:
     def _pick_prefill(
         self, tokenized: TokenizedRequest, now: float, attempt: int, exclude: tuple[str, ...] = ()
     ) -> Pick | Rejection:
-        request = _prefill_request(tokenized.request_id, tokenized.prompts[0], tokenized.request.adapter, attempt)
+        request = _prefill_request(tokenized.request_id, tokenized.prompts[0], tokenized, attempt)
         return self.scheduler.pick(request, now, Role.PREFILL, exclude=exclude)
 
     def _commit(self, pick: Pick, tokenized: TokenizedRequest, max_tokens: int) -> Leg:
@@ -411,13 +413,16 @@ class _Asks(NamedTuple):
     alone: ScheduleRequest
 
 
-def _prefill_request(lease_id: str, prompt: PromptTokens, adapter: Adapter | None, attempt: int) -> ScheduleRequest:
-    return ScheduleRequest(f"{lease_id}-prefill-{attempt}", prompt.engine_ids, PREFILL_MAX_TOKENS, **_lora(adapter))
+def _prefill_request(lease_id: str, prompt: PromptTokens, tokenized: TokenizedRequest, attempt: int) -> ScheduleRequest:
+    return ScheduleRequest(f"{lease_id}-prefill-{attempt}", prompt.engine_ids, PREFILL_MAX_TOKENS, **_scope(tokenized))
 
 
-def _lora(adapter: Adapter | None) -> dict[str, Any]:
-    """A leg's LoRA adapter as scheduling sees it (affinity, and the prefix index's keys)."""
-    return {} if adapter is None else {"adapter": adapter.name, "adapter_path": adapter.path}
+def _scope(tokenized: TokenizedRequest) -> dict[str, Any]:
+    """What every leg of the request carries to scheduling: its LoRA adapter (affinity, and
+    the prefix index's keys) and the endpoint subset it must stay within."""
+    adapter = tokenized.request.adapter
+    lora = {} if adapter is None else {"adapter": adapter.name, "adapter_path": adapter.path}
+    return {**lora, "within": tokenized.data_plane.within}
 
 
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:
