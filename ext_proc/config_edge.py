@@ -106,6 +106,10 @@ class ProcessorConfig(Section):
     # any burst of uploads (the rest is transport buffers). Raise it for many large bodies.
     max_inflight_bytes: int | None = None
     fallback_tokenizer_timeout_s: float = 10.0  # the local tokenizer's chat template, per request
+    # How many engines a pick names, in the order to try (x-gateway-destination-endpoint header
+    # and envoy.lb metadata): 0 = every fallback (tito's Envoy, override_host gateways); 1 for
+    # gateways routing with ORIGINAL_DST on the header (one address).
+    destination_endpoints: int = Field(default=0, ge=0)
     # Processor-owned streams (fan-out, relay): SSE pieces waiting for the client, per request;
     # when full, the engine streams wait (backpressure), nothing is dropped.
     owned_queue_depth: int = 32

@@ -31,6 +31,7 @@ from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner
 from ext_proc.planning.refusals import token_only_required
+from ext_proc.protocol import DATA_PLANE, DataPlane
 from ext_proc.response_handlers import Outs, error_answer, replay_native
 from scheduler import Scheduler
 
@@ -87,9 +88,18 @@ class Services:
                 return base
         raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
 
-    async def plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
+    async def plan(
+        self, handler: str, content_type: str | None, raw: bytes, request_id: str, plane: DataPlane | None = None
+    ) -> tuple[Services, Plan]:
         """The request's base model (its services serve it from here on) and its plan, made by
-        the route's API."""
+        the route's API; `plane`: what the proxy in front allows (subset, rewrites)."""
+        token = DATA_PLANE.set(plane)
+        try:
+            return await self._plan(handler, content_type, raw, request_id)
+        finally:
+            DATA_PLANE.reset(token)
+
+    async def _plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
         try:
             body = await parse_body(content_type, raw)  # native's refusals before any route
         except GatewayError as error:

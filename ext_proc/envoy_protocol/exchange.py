@@ -11,13 +11,14 @@ from typing import Any
 from uuid import uuid4
 
 from ext_proc.byte_budget import StreamBytes
+from ext_proc.envoy_protocol import epp
 from ext_proc.envoy_protocol import messages as msg
 from ext_proc.envoy_protocol.owned import OwnedAnswer
 from ext_proc.envoy_protocol.request_body import RequestBody, too_large
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
-from ext_proc.planning.plan import Local, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
+from ext_proc.planning.plan import Local, Native, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
 from ext_proc.response_handlers import Chunk, ConvertedResponse, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
@@ -47,6 +48,7 @@ class Exchange(EnvoyStream):
         self._handler: ResponseHandler | None = None
         self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
+        self._gateway = epp.Gateway()  # what the proxy in front sends and allows
         services.process.active_exchanges += 1
         services.process.live.add(self)
 
@@ -72,7 +74,13 @@ class Exchange(EnvoyStream):
 
     async def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")  # request_headers, request_body, ..., response_trailers
-        if kind is not None and hasattr(self, f"_on_{kind}"):
+        untouched = self._gateway.read(message, self.record)  # (a gateway keeping the answer: its reply)
+        if kind == "response_headers":  # who served: breakers, admission and native replays learn it
+            served = self._gateway.served
+            self._verdict = engine_verdict(routed(self._plan)[1], msg.header_map(message.response_headers), served)
+        if untouched is not None:
+            yield untouched
+        elif kind is not None and hasattr(self, f"_on_{kind}"):
             async for reply in getattr(self, f"_on_{kind}")(getattr(message, kind)):
                 yield reply
 
@@ -90,10 +98,8 @@ class Exchange(EnvoyStream):
             yield msg.immediate_response(200, self._s.answer(handler), self.record)
         elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
             yield self._refuse(refused)
-        elif handler == "passthrough":
-            self._plan, self.mode = self._s.planner.passthrough(), Mode.FORWARD
-            yield msg.request_headers_reply(remove=self._unforwarded(), destination=",".join(self._plan.hosts))
-            self._forwarded(message.end_of_stream)
+        elif handler == "passthrough" or not self._gateway.streams_request:
+            yield self._passthrough(message.end_of_stream)
         elif int(headers.get("content-length", "0") or 0) > limit:
             yield self._refuse(too_large(limit))
         elif message.end_of_stream:  # no body: answered as native answers one (never planned)
@@ -101,8 +107,22 @@ class Exchange(EnvoyStream):
         else:
             self._route = handler
 
+    def _passthrough(self, end_of_stream: bool) -> ext_proc_pb.ProcessingResponse:
+        """Unplanned: an engine's own route, or an inference request whose body the gateway
+        does not stream here (its headers cannot wait for it): the least busy engine of the
+        gateway's subset gets it as it is (EPP protocol: none there, 503)."""
+        plan = self._s.planner.passthrough(self._gateway.plane.within)
+        if not plan.hosts and self._gateway.plane.within is not None:
+            return self._refuse(GatewayError(503, "no engine instance in the request's endpoint subset"))
+        self._plan, self.mode = plan, Mode.FORWARD
+        self._forwarded(end_of_stream)
+        return msg.request_headers_reply(remove=self._unforwarded(), destination=self._named(plan.hosts))
+
     async def _on_request_body(self, message: ext_proc_pb.HttpBody) -> Replies:
-        if self.mode is Mode.FORWARD:
+        if self.mode is Mode.FORWARD and not self._gateway.streams_request:  # (BUFFERED, STREAMED): as it is
+            yield msg.request_body_unchanged()
+            self._forwarded(message.end_of_stream)
+        elif self.mode is Mode.FORWARD:
             for reply in msg.request_body_replies(message.body, message.end_of_stream):
                 yield reply
             self._forwarded(message.end_of_stream)
@@ -131,7 +151,8 @@ class Exchange(EnvoyStream):
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._route is not None
         raw = self._body.take()
-        self._s, plan = await self._s.plan(self._route, self._headers.get("content-type"), raw, self.request_id)
+        plane = self._gateway.plane
+        self._s, plan = await self._s.plan(self._route, self._headers.get("content-type"), raw, self.request_id, plane)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
             self._plan = plan = await self._s.routable(plan, self.spawn)
@@ -143,14 +164,22 @@ class Exchange(EnvoyStream):
                 yield reply
             self.mode = Mode.OWNED if self._owned.streaming else Mode.LOCAL
             return
-        if isinstance(plan, Local):  # after the body's end
+        if isinstance(plan, Local) and plan.status >= 400:  # a refusal: an ImmediateResponse (EPP protocol)
+            replies = [self._refuse(GatewayError(plan.status, "refused", body=plan.body))]
+        elif isinstance(plan, Local):  # after the body's end
             self.mode, replies = Mode.LOCAL, msg.local_response(plan.status, plan.body, self.record)
-        else:
-            self.mode, replies = Mode.PLANNED, msg.routed_replies(plan, self._unforwarded(), self.record)
+        else:  # (a gateway that keeps the answer gets the client's body on its route: `as_sent`)
+            as_sent = raw if isinstance(plan, Native) and not plane.rewrites else None
+            limit = self._s.config.processor.destination_endpoints
+            replies = msg.routed_replies(plan, self._unforwarded(), self.record, limit, as_sent)
+            self.mode = Mode.PLANNED
         for reply in replies:
             if reply.HasField("request_body") and not end_of_stream:  # trailers will end the body
                 reply.request_body.response.body_mutation.streamed_response.end_of_stream = False
             yield reply
+
+    def _named(self, hosts: tuple[str, ...]) -> str:
+        return ",".join(epp.named(hosts, self._s.config.processor.destination_endpoints))
 
     def _unforwarded(self) -> tuple[str, ...]:  # request headers removed: all but the forwarded few
         return (msg.DESTINATION_KEY, *msg.unforwarded_headers(self._headers))
@@ -180,7 +209,6 @@ class Exchange(EnvoyStream):
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         headers = msg.header_map(message)
-        self._verdict = engine_verdict(routed(self._plan)[1], headers)
         status, content_type = int(headers.get(":status", "502")), headers.get("content-type", "")
         self.record.answered(status)  # unless the handler answers another
         cap, derender = self._s.config.processor.max_response_bytes, self._s.derender

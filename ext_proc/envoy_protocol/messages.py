@@ -19,11 +19,12 @@ from ext_proc.protocol import GENERATE_PATH
 from ext_proc.response_handlers import Chunk, Head, Out
 from protos.stubs import core_pb, ext_proc_pb, type_pb
 
+# EPP protocol §Destination Endpoint: the pick, in this header and `envoy.lb` metadata alike.
 LB_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
 # Marks the processor's immediate responses: Envoy's local-reply formatter passes their
 # (already OpenAI) bodies through and formats only its own replies (envoy/envoy.yaml.j2).
 ANSWERED_NAMESPACE = "tito"
-DESTINATION_KEY = "x-gateway-destination-endpoint"
 RETRIES_HEADER = "x-envoy-max-retries"  # set by the processor only (a client's is removed)
 REQUEST_ID_HEADER = "x-request-id"
 JSON = "application/json"
@@ -80,8 +81,15 @@ def _common(set_headers: Headers | None = None, remove: Iterable[str] = ()) -> e
 def request_headers_reply(
     set_headers: Headers | None = None, remove: Iterable[str] = (), destination: str | None = None
 ) -> ext_proc_pb.ProcessingResponse:
+    """The request's headers as they go upstream; `destination`: the engines picked, in the
+    order to try, named in the header and the `envoy.lb` metadata alike (EPP protocol
+    §Destination Endpoint: they must not differ). tito's Envoy routes on the metadata, which
+    no client can set; GIE gateways on either."""
+    if destination is not None:
+        set_headers = {**(set_headers or {}), DESTINATION_KEY: destination}
+    removed = [h for h in remove if h not in (set_headers or {})]
     response = ext_proc_pb.ProcessingResponse(
-        request_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, remove))
+        request_headers=ext_proc_pb.HeadersResponse(response=_common(set_headers, removed))
     )
     if destination is not None:
         metadata = struct_pb2.Struct()
@@ -121,6 +129,11 @@ def response_body_reply(body: bytes, end_of_stream: bool) -> ext_proc_pb.Process
     return ext_proc_pb.ProcessingResponse(
         response_body=ext_proc_pb.BodyResponse(response=_streamed(body, end_of_stream))
     )
+
+
+def request_body_unchanged() -> ext_proc_pb.ProcessingResponse:
+    """A body piece goes on as it came (a gateway streaming it in a mode other than FULL_DUPLEX)."""
+    return ext_proc_pb.ProcessingResponse(request_body=ext_proc_pb.BodyResponse())
 
 
 def request_trailers_reply() -> ext_proc_pb.ProcessingResponse:
@@ -207,25 +220,33 @@ def response_reply(out: Out, record: RequestRecord) -> ext_proc_pb.ProcessingRes
 
 
 def routed_replies(
-    plan: Native | TokenOnly, remove: tuple[str, ...], record: RequestRecord
+    plan: Native | TokenOnly,
+    remove: tuple[str, ...],
+    record: RequestRecord,
+    limit: int = 0,
+    as_sent: bytes | None = None,
 ) -> list[ext_proc_pb.ProcessingResponse]:
     """The request as planned, to the engine Envoy will route it to: a native body as it is,
-    or the routed leg's generate body on `/inference/v1/generate`.
+    or the routed leg's generate body on `/inference/v1/generate`; `as_sent`: the client's
+    own body on its own route (a gateway that keeps the answer from the processor).
 
     Envoy retries (before the first byte) only on the listed hosts: one cluster holds every
-    engine of every role, and a retry past the list would land on any of them."""
+    engine of every role, and a retry past the list would land on any of them. `limit`: how
+    many of them the pick names (0: all; `processor.destination_endpoints`)."""
     hosts = plan.hosts if isinstance(plan, Native) else plan.routed.hosts
+    hosts = hosts[:limit] if limit else hosts
     lease = plan.lease_id if isinstance(plan, Native) else plan.routed.lease_id
     # The engine leg's trace context (tracing on), else the client's traceparent goes as it came.
     set_headers = {RETRIES_HEADER: str(len(hosts) - 1), **record.leg(lease, hosts)}
-    if isinstance(plan, TokenOnly):
+    if as_sent is not None:
+        body = as_sent
+    elif isinstance(plan, TokenOnly):
         set_headers |= {":path": GENERATE_PATH, "content-type": JSON, "x-request-id": plan.routed.lease_id}
-        remove = ("content-length", *remove)
+        remove, body = ("content-length", *remove), routed_body(plan)
     elif plan.request.conversion is not None:  # a pipeline request made of the client's: to its own endpoint
         set_headers[":path"] = plan.request.endpoint
-        remove = ("content-length", *remove)
-    headers = request_headers_reply(
-        set_headers=set_headers, remove=[h for h in remove if h not in set_headers], destination=",".join(hosts)
-    )
-    body = plan.body if isinstance(plan, Native) else routed_body(plan)
+        remove, body = ("content-length", *remove), plan.body
+    else:
+        body = plan.body
+    headers = request_headers_reply(set_headers=set_headers, remove=remove, destination=",".join(hosts))
     return [headers, *request_body_replies(body)]

@@ -16,11 +16,13 @@ class Verdict:
     served_by: str | None = None
 
 
-def engine_verdict(hosts: tuple[str, ...], headers: dict[str, str]) -> Verdict:
+def engine_verdict(hosts: tuple[str, ...], headers: dict[str, str], served: str | None = None) -> Verdict:
+    """`served`: the endpoint a GIE gateway reports (EPP protocol §Destination Endpoint
+    Served), else the one tito's Envoy names in a response header."""
     if not hosts:  # nothing routed by the processor (passthrough): never breaker input
         return Verdict()
     attempts = min(int(headers.get(ATTEMPT_COUNT_HEADER, "1") or 1), len(hosts))
-    upstream = headers.get(UPSTREAM_HOST_HEADER, "")
+    upstream = served or headers.get(UPSTREAM_HOST_HEADER, "")
     status = int(headers.get(":status", "0") or 0)
     if upstream in hosts:
         before = hosts[: hosts.index(upstream)]

@@ -152,6 +152,11 @@ def _immediate(replies: list[Any]) -> tuple[int, dict[str, Any]]:
 
 
 def _local(replies: list[Any]) -> tuple[int, dict[str, Any]]:
+    """The processor's own answer: a refusal is an ImmediateResponse (the EPP protocol's 503
+    and 429 are), any other a streamed one."""
+    refused = [r.immediate_response for r in replies if r.HasField("immediate_response")]
+    if refused:
+        return refused[0].status.code, orjson.loads(refused[0].body)
     parts = [r.streamed_immediate_response for r in replies if r.HasField("streamed_immediate_response")]
     status = {h.key: h.raw_value for h in parts[0].headers_response.headers.headers}[":status"]
     return int(status), orjson.loads(parts[1].body_response.body)
