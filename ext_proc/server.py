@@ -30,6 +30,7 @@ from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.render_pool import RenderPool, pool_member
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
+from ext_proc.health import add_health
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import build_codec
@@ -295,6 +296,7 @@ async def serve(
         gc.collect()
         gc.freeze()
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), server)
+        add_health(services, server)  # GIE gateways and Kubernetes probes check the EPP here
         address = f"{config.processor.listen_host}:{config.processor.port}"
         server.add_insecure_port(address)
         await server.start()
