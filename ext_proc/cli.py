@@ -304,6 +304,10 @@ COMMANDS: dict[str, Command] = {
     "conformance": Command(
         "gateway vs native OpenAI answers, field by field, one line per case", _tool("ext_proc.tools.conformance.cli")
     ),
+    "epp-check": Command(
+        "an Endpoint Picker (GIE EPP protocol v1) checked as its data plane, one line per check",
+        _tool("ext_proc.tools.epp_check"),
+    ),
     "bench": Command(
         "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios", _tool("ext_proc.tools.bench")
     ),

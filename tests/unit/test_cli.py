@@ -31,6 +31,7 @@ EVERY_COMMAND = {
     "tiny-model",
     "engines",
     "conformance",
+    "epp-check",
     "bench",
     "config-reference",
 }
@@ -39,6 +40,7 @@ REQUIRED = {
     "bench": ["--gateway", "http://g", "--native", "http://n"],
     "scale": ["2"],
     "conformance": ["--gateway", "http://g", "--native", "http://n", "--model", "m"],
+    "epp-check": ["--epp", "h:1", "--model", "m"],
 }
 
 
