@@ -7,6 +7,7 @@ import copy
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,11 +26,19 @@ from tests.conftest import missing
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.30.0"  # the oldest cluster the manifests are meant for
-# Istio's CRDs: not in kubernetes-validate's schemas, checked field by field below.
+# Istio's CRDs (networking.istio.io): not in kubernetes-validate's schemas, checked field by
+# field below.
 ISTIO_KINDS = {"EnvoyFilter", "Gateway", "VirtualService"}
 # The Gateway API Inference Extension's CRD, likewise.
 INFERENCE_POOL = ("inference.networking.k8s.io/v1", "InferencePool")
-CRD_KINDS = ISTIO_KINDS | {INFERENCE_POOL[1]}
+# The Gateway API's (deploy/gie), likewise. Its Gateway is not Istio's Gateway of the same
+# kind name: the apiVersion tells them apart.
+GATEWAY_API = "gateway.networking.k8s.io/v1"
+GATEWAY_API_KINDS = {"Gateway", "HTTPRoute"}
+# deploy/gie: tito as an InferencePool's endpoint picker. base/ is what every GIE gateway
+# shares; each gateway's folder adds its Gateway (its gatewayClassName).
+GIE = DEPLOY / "gie"
+GIE_GATEWAYS = {"istio": "istio", "agentgateway": "agentgateway"}
 DOCKER_DNS = "127.0.0.11:53"  # Docker's embedded DNS, in every container of a user network
 
 
@@ -270,7 +279,7 @@ def test_prometheus_scrapes_the_compose_admin_ports() -> None:
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
 
 
-# deploy/kubernetes and deploy/istio
+# deploy/kubernetes, deploy/istio and deploy/gie
 
 
 def _documents(folder: Path) -> list[dict[str, Any]]:
@@ -286,8 +295,29 @@ def _all_documents() -> list[dict[str, Any]]:
     return _documents(DEPLOY / "kubernetes") + _documents(DEPLOY / "istio")
 
 
-def _object(kind: str, name: str) -> dict[str, Any]:
-    found = [d for d in _all_documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+def _gie_documents(gateway: str | None = None) -> list[dict[str, Any]]:
+    """deploy/gie/base's objects, with those of a gateway's folder (deploy/gie/<gateway>)."""
+    return _documents(GIE / "base") + (_documents(GIE / gateway) if gateway else [])
+
+
+def _manifest_documents() -> list[dict[str, Any]]:
+    """Every object of every deploy/ folder (each once: deploy/gie itself only names base/)."""
+    return _all_documents() + _gie_documents() + [d for g in GIE_GATEWAYS for d in _documents(GIE / g)]
+
+
+def _crd(document: dict[str, Any]) -> bool:
+    """An object of a CRD (checked field by field below), not of a built-in kind."""
+    api, kind = document["apiVersion"], document["kind"]
+    return (
+        (api.split("/")[0] == "networking.istio.io" and kind in ISTIO_KINDS)
+        or (api, kind) == INFERENCE_POOL
+        or (api == GATEWAY_API and kind in GATEWAY_API_KINDS)
+    )
+
+
+def _object(kind: str, name: str, documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    documents = _all_documents() if documents is None else documents
+    found = [d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
     return found[0]
 
@@ -304,15 +334,23 @@ def _port(container: dict[str, Any], ref: int | str) -> int:
     return int(next(p["containerPort"] for p in container["ports"] if p["name"] == ref))
 
 
-def _backend_port(service: dict[str, Any], name: str | None = None) -> int:
-    """The container port a Service's port (its only one, or the one named) reaches, through
-    its selector and targetPort."""
+def _selected(service: dict[str, Any], documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The Deployment whose pods a Service selects (one, in these manifests)."""
     selector = service["spec"]["selector"].items()
     (deployment,) = [
         d
-        for d in _all_documents()
+        for d in (_all_documents() if documents is None else documents)
         if d["kind"] == "Deployment" and selector <= d["spec"]["template"]["metadata"]["labels"].items()
     ]
+    return deployment
+
+
+def _backend_port(
+    service: dict[str, Any], name: str | None = None, documents: list[dict[str, Any]] | None = None
+) -> int:
+    """The container port a Service's port (its only one, or the one named) reaches, through
+    its selector and targetPort."""
+    deployment = _selected(service, documents)
     (port,) = [p for p in service["spec"]["ports"] if name in (None, p["name"])]
     target = port["targetPort"]
     (backend,) = [
@@ -352,8 +390,10 @@ def _kubernetes_validate() -> ModuleType:
 def test_manifests_pass_the_kubernetes_schemas() -> None:
     kubernetes_validate = _kubernetes_validate()
     kinds = set()
-    for document in _all_documents():
-        if document["kind"] in CRD_KINDS:
+    crds = set()
+    for document in _manifest_documents():
+        if _crd(document):
+            crds.add((document["apiVersion"], document["kind"]))
             continue
         name = f"{document['kind']}/{document['metadata']['name']}"
         try:
@@ -363,9 +403,30 @@ def test_manifests_pass_the_kubernetes_schemas() -> None:
             pytest.fail(f"{name}: {'.'.join(map(str, error.path))}: {error.message}")
         kinds.add(document["kind"])
     assert kinds == {"Namespace", "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    # every CRD object is one of the kinds the tests below check field by field
+    assert crds == {
+        ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+        ("networking.istio.io/v1", "Gateway"),
+        ("networking.istio.io/v1", "VirtualService"),
+        INFERENCE_POOL,
+        (GATEWAY_API, "Gateway"),
+        (GATEWAY_API, "HTTPRoute"),
+    }
 
 
-@pytest.mark.parametrize(("folder", "bases"), [("kubernetes", []), ("istio", ["../kubernetes"])])
+@pytest.mark.parametrize(
+    ("folder", "bases"),
+    [
+        ("kubernetes", []),
+        ("istio", ["../kubernetes"]),
+        # deploy/gie: base/ only; each gateway's folder: base/ and its Gateway (an overlay may
+        # not name its parent folder: kustomize reports a cycle)
+        ("gie", ["base"]),
+        ("gie/base", []),
+        ("gie/istio", ["../base"]),
+        ("gie/agentgateway", ["../base"]),
+    ],
+)
 def test_kustomization_lists_every_manifest(folder: str, bases: list[str]) -> None:
     kustomization = yaml.safe_load((DEPLOY / folder / "kustomization.yaml").read_text())
     manifests = [p.name for p in (DEPLOY / folder).glob("*.yaml") if p.name != "kustomization.yaml"]
@@ -444,10 +505,12 @@ def _inference_pool(pool: PoolConfig, namespace: str) -> dict[str, Any]:
     return found
 
 
-def _assert_pool_is_the_deployments_pods(inference_pool: dict[str, Any], deployment: dict[str, Any]) -> None:
+def _assert_pool_is_the_deployments_pods(
+    inference_pool: dict[str, Any], deployment: dict[str, Any], documents: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The InferencePool (a CRD kubernetes-validate does not know) checked field by field, as
     the v1 API reads it: its pods are the Deployment's, on the engine's port, and it names an
-    endpoint picker Service port that reaches the processor."""
+    endpoint picker Service port that reaches the processor. Returns that Service."""
     assert (inference_pool["apiVersion"], inference_pool["kind"]) == INFERENCE_POOL
     spec = inference_pool["spec"]
     assert set(spec) == {"selector", "targetPorts", "endpointPickerRef"}
@@ -462,10 +525,12 @@ def _assert_pool_is_the_deployments_pods(inference_pool: dict[str, Any], deploym
     assert (picker.get("group", ""), picker.get("kind", "Service")) == ("", "Service")
     assert picker.get("failureMode", "FailClose") == "FailClose"  # fail closed, as tito's Envoy
     # a Service's port (not its targetPort, a CEL rule of the API), reaching the processor's gRPC port
-    service = _object("Service", picker["name"])
+    service = _object("Service", picker["name"], documents)
+    assert service["metadata"]["namespace"] == inference_pool["metadata"]["namespace"]  # no namespace field
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"]]
-    gateway = _object("Deployment", "tito-gateway")
-    assert _backend_port(service, port["name"]) == _port(_container(gateway, "processor"), "grpc")
+    processor = _container(_selected(service, documents), "processor")
+    assert _backend_port(service, port["name"], documents) == _port(processor, "grpc")
+    return service
 
 
 def test_cluster_pools_are_discovered_from_inference_pools(tmp_path: Path) -> None:
@@ -515,8 +580,12 @@ def test_the_commented_dns_alternative_names_the_headless_services(tmp_path: Pat
 
 
 def test_the_discovery_role_grants_only_reading_pods_and_pools(tmp_path: Path) -> None:
-    config = _cluster_config(tmp_path)
-    documents = _all_documents()
+    _assert_reads_only_pods_and_pools(_cluster_config(tmp_path), _all_documents(), "tito-gateway")
+
+
+def _assert_reads_only_pods_and_pools(config: TitoConfig, documents: list[dict[str, Any]], reader: str) -> None:
+    """One namespaced Role, bound to the ServiceAccount only Deployment `reader` runs as, that
+    may only get, list and watch pods and InferencePools (what discovery reads)."""
     assert not [d for d in documents if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     (role,) = [d for d in documents if d["kind"] == "Role"]
     (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
@@ -539,15 +608,15 @@ def test_the_discovery_role_grants_only_reading_pods_and_pools(tmp_path: Path) -
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
-    pod = _object("Deployment", "tito-gateway")["spec"]["template"]["spec"]
-    account = _object("ServiceAccount", pod["serviceAccountName"])
+    pod = _object("Deployment", reader, documents)["spec"]["template"]["spec"]
+    account = _object("ServiceAccount", pod["serviceAccountName"], documents)
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}
     ]
     assert pod.get("automountServiceAccountToken", True)  # the processor's in-cluster credentials
-    # only the gateway runs as it
+    # only the reader runs as it
     pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents if d["kind"] == "Deployment"}
-    assert [name for name, spec in pods.items() if "serviceAccountName" in spec] == ["tito-gateway"]
+    assert [name for name, spec in pods.items() if "serviceAccountName" in spec] == [reader]
 
 
 def test_envoy_and_processor_share_the_endpoints_file(tmp_path: Path) -> None:
@@ -689,3 +758,146 @@ def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) ->
         "host": f"{engine['metadata']['name']}.{engine['metadata']['namespace']}.svc.cluster.local",
         "port": {"number": port["port"]},
     }
+
+
+# deploy/gie: tito as the endpoint picker of an InferencePool behind a GIE gateway
+
+
+def _gie_config(tmp_path: Path) -> TitoConfig:
+    path = tmp_path / "tito-epp.yaml"
+    path.write_text(_object("ConfigMap", "tito-epp-config", _gie_documents())["data"]["tito.yaml"])
+    return load_config(path, env={})
+
+
+def test_gie_config_is_an_endpoint_picker_of_its_pool(tmp_path: Path) -> None:
+    config = _gie_config(tmp_path)
+    documents = _gie_documents()
+    # reached through Service tito-epp and probed on the pod's IP: no loopback-only port
+    assert config.processor.listen_host == "0.0.0.0"
+    assert (config.processor.port, config.processor.admin_port) == (9002, 9003)
+    # one address per pick: what a gateway routing with ORIGINAL_DST on the header parses
+    assert config.processor.destination_endpoints == 1
+    # one base model: the pool the route sends to, whose pods are its engines
+    assert not config.models
+    (pool,) = config.pools
+    inference_pool = _object(INFERENCE_POOL[1], pool.discovery.inference_pool or "", documents)
+    assert pool.discovery.source == "kubernetes" and not pool.instances
+    assert pool.discovery.namespace == inference_pool["metadata"]["namespace"]
+    assert [d["metadata"]["name"] for d in documents if d["kind"] == INFERENCE_POOL[1]] == [
+        pool.discovery.inference_pool
+    ]
+    engines = _object("Deployment", inference_pool["metadata"]["name"], documents)
+    engine = _container(engines, "engine")
+    _assert_publishes_kv_events(engine["args"], config)
+    assert _kv_event_ports(config) <= {p["containerPort"] for p in engine["ports"]}
+    assert f"--served-model-name={config.model.served_name}" in engine["args"]
+
+
+def test_gie_engines_and_namespace_are_the_base_ones() -> None:
+    """Copies of deploy/kubernetes' objects (kustomize loads no file from outside its folder):
+    they must not drift apart."""
+    for kind, name in (("Namespace", "tito"), ("Deployment", "vllm-engine"), ("Service", "vllm-engine")):
+        assert _object(kind, name, _gie_documents()) == _object(kind, name), f"{kind}/{name}"
+
+
+def test_gie_inference_pool_names_the_epp_service(tmp_path: Path) -> None:
+    config = _gie_config(tmp_path)
+    documents = _gie_documents()
+    inference_pool = _object(INFERENCE_POOL[1], "vllm-engine", documents)
+    service = _assert_pool_is_the_deployments_pods(
+        inference_pool, _object("Deployment", "vllm-engine", documents), documents
+    )
+    # written out, not left to defaults: tito-epp's gRPC port, failing closed
+    assert inference_pool["spec"]["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "tito-epp",
+        "port": {"number": config.processor.port},
+        "failureMode": "FailClose",
+    }
+    assert service["metadata"]["name"] == "tito-epp" and _selected(service, documents)["metadata"]["name"] == "tito-epp"
+    # plaintext HTTP/2 (gRPC without TLS) to the processor's port
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"], port["appProtocol"]) == ("grpc", config.processor.port, "kubernetes.io/h2c")
+    assert _backend_port(service, "grpc", documents) == config.processor.port
+
+
+@pytest.mark.parametrize("gateway", sorted(GIE_GATEWAYS))
+def test_gie_route_sends_the_openai_paths_to_the_pool(tmp_path: Path, gateway: str) -> None:
+    """The Gateway API objects (CRDs kubernetes-validate does not know) checked field by field
+    as gateway.networking.k8s.io/v1 reads them."""
+    config = _gie_config(tmp_path)
+    documents = _gie_documents(gateway)
+    route = _object("HTTPRoute", "tito", documents)
+    assert route["apiVersion"] == GATEWAY_API and set(route["spec"]) == {"parentRefs", "rules"}
+    # its Gateway: the one this gateway's folder adds, with its GatewayClass and a plain HTTP listener
+    (parent,) = route["spec"]["parentRefs"]
+    assert parent == {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference-gateway"}
+    found = _object("Gateway", parent["name"], documents)
+    assert found["apiVersion"] == GATEWAY_API
+    assert found["metadata"]["namespace"] == route["metadata"]["namespace"]  # allowedRoutes default: Same
+    assert found["spec"] == {
+        "gatewayClassName": GIE_GATEWAYS[gateway],
+        "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}],
+    }
+    assert not [d for d in _gie_documents() if d["kind"] == "Gateway"]  # base/ leaves it to the gateway's folder
+    (rule,) = route["spec"]["rules"]
+    assert set(rule) == {"matches", "backendRefs", "timeouts"}
+    # every path the processor renders is under the route's prefix
+    (match,) = rule["matches"]
+    assert match == {"path": {"type": "PathPrefix", "value": "/v1/"}}
+    rendered = [r.path for r in config.listener.routes if r.handler not in ("passthrough", "health", "models")]
+    assert rendered and all(path.startswith(match["path"]["value"]) for path in rendered)
+    # the backend is the InferencePool (same namespace: no namespace field), not a Service
+    (backend,) = rule["backendRefs"]
+    assert backend == {"group": INFERENCE_POOL[0].split("/")[0], "kind": INFERENCE_POOL[1], "name": "vllm-engine"}
+    pool = _object(INFERENCE_POOL[1], backend["name"], documents)
+    assert pool["metadata"]["namespace"] == route["metadata"]["namespace"]
+    # no overall deadline for SSE streams: the zero duration, in Gateway API's Duration format
+    assert rule["timeouts"] == {"request": "0s"}
+    assert re.fullmatch(r"([0-9]{1,5}(h|m|s|ms)){1,4}", rule["timeouts"]["request"])
+
+
+def test_gie_epp_pod_is_the_processor_without_envoy(tmp_path: Path) -> None:
+    config = _gie_config(tmp_path)
+    documents = _gie_documents()
+    epp = _object("Deployment", "tito-epp", documents)
+    pod = epp["spec"]["template"]["spec"]
+    # the gateway is the proxy: no Envoy and no bootstrap to write for one
+    assert [c["name"] for c in pod["containers"]] == ["processor", "render"]
+    assert [c["name"] for c in pod["initContainers"]] == ["model"]
+    assert not [c for c in pod["containers"] + pod["initContainers"] if "envoy" in (c["name"] + c["image"])]
+    processor, render = _container(epp, "processor"), _container(epp, "render")
+    assert processor["args"] == ["--config", "/etc/tito/tito.yaml", "processor"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in processor["volumeMounts"] if m["mountPath"] == "/etc/tito"]
+    assert volumes[mount["name"]]["configMap"]["name"] == "tito-epp-config"
+    assert _port(processor, "grpc") == config.processor.port
+    # the EPP protocol's health services, on the ext_proc port (the kubelet's gRPC probes)
+    assert processor["livenessProbe"]["grpc"] == {"port": config.processor.port, "service": "liveness"}
+    assert processor["readinessProbe"]["grpc"] == {"port": config.processor.port, "service": "readiness"}
+    assert not {"httpGet", "tcpSocket", "exec"} & (set(processor["livenessProbe"]) | set(processor["readinessProbe"]))
+    # until the tokenizer is loaded, the admin port's /health
+    startup = processor["startupProbe"]["httpGet"]
+    assert startup["path"] == "/health" and _port(processor, startup["port"]) == config.processor.admin_port
+    assert _backend_port(_object("Service", "tito-epp-metrics", documents), documents=documents) == (
+        config.processor.admin_port
+    )
+    # the render sidecar on loopback, and the model the engines serve
+    assert config.render_config.endpoint.host == "127.0.0.1"
+    assert f"--port={config.render_config.endpoint.port}" in render["args"]
+    engines = _object("Deployment", "vllm-engine", documents)
+    model_flags = [
+        f"--model={config.model.path}",
+        f"--served-model-name={config.model.served_name}",
+        f"--max-model-len={config.model.max_model_len}",
+    ]
+    assert set(model_flags) <= set(_container(engines, "engine")["args"]) and set(model_flags) <= set(render["args"])
+    assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
+    assert _container(epp, "model", init=True)["args"] == _container(engines, "model", init=True)["args"]
+    # open streams finish their drain before the kubelet kills the pod
+    assert config.processor.drain_timeout_s < pod["terminationGracePeriodSeconds"]
+
+
+def test_gie_role_grants_only_reading_pods_and_pools(tmp_path: Path) -> None:
+    _assert_reads_only_pods_and_pools(_gie_config(tmp_path), _gie_documents(), "tito-epp")
