@@ -52,6 +52,8 @@ def state(services: Services) -> dict[str, Any]:
         "ready": readiness(services),
         **({"capabilities": _merged(capabilities, ("rounds",))} if capabilities else {}),
         "pools": pools,  # each pool's source, and why each instance routes or not
+        "flow": _flows([base.planner.flow.snapshot() for base in bases]),  # the admission queue
+        **({"quota": quota.snapshot()} if (quota := services.planner.quota) is not None else {}),
         # more than one base model: each one's own
         **(
             {"models": {b.config.model.served_name: _base_state(b, s) for b, s in zip(bases, schedulers, strict=True)}}
@@ -59,6 +61,17 @@ def state(services: Services) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def _flows(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every base's queue as one: totals summed, bands side by side (flows named per base)."""
+    merged = _merged(snapshots, ("requests", "tokens", "shed", "timed_out"))
+    merged["oldest_wait_s"] = max(s["oldest_wait_s"] for s in snapshots)
+    merged["bands"] = {}
+    for snapshot in snapshots:
+        for band, flows in snapshot["bands"].items():
+            merged["bands"].setdefault(band, {}).update(flows)
+    return merged
 
 
 def _base_state(base: Services, scheduler: dict[str, Any]) -> dict[str, Any]:

@@ -308,6 +308,9 @@ COMMANDS: dict[str, Command] = {
         "an Endpoint Picker (GIE EPP protocol v1) checked as its data plane, one line per check",
         _tool("ext_proc.tools.epp_check"),
     ),
+    "hash-key": Command(
+        "the stored form of an API key (tenancy.keys_file), read from standard input", _tool("ext_proc.tools.hash_key")
+    ),
     "bench": Command(
         "gateway vs the engine's native endpoint: TTFT, inter-chunk gap, E2E, ratios", _tool("ext_proc.tools.bench")
     ),

@@ -33,6 +33,7 @@ from ext_proc.config_routing import (
     SchedulerConfig,
 )
 from ext_proc.config_section import Section
+from ext_proc.config_tenancy import TenancyConfig
 
 ENV_PREFIX = "TITO__"
 
@@ -287,6 +288,7 @@ class TitoConfig(Section):
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     scheduler: SchedulerConfig = SchedulerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    tenancy: TenancyConfig = TenancyConfig()
     reschedule: RescheduleConfig = RescheduleConfig()
     lora: LoraConfig = LoraConfig()
     obfuscation: ObfuscationConfig = ObfuscationConfig()

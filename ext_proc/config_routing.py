@@ -89,6 +89,25 @@ class AdmissionConfig(Section):
     global_token_budget: int | None = None
     instance_token_budget: int | None = None
     replicas: int = Field(default=1, ge=1)  # gateway replicas (hosts) sharing these engines
+    # Flow control (docs/flow-control.md): a request that does not fit waits this long in a
+    # queue, highest priority band first, fair share across flows within a band (weighted, in
+    # the tokens admission charges); then 429 with Retry-After. 0: refused at once (429).
+    queue_timeout_s: float = Field(default=0.0, ge=0)
+    queue_max_requests: int = Field(default=1024, ge=1)  # waiting at once, per process
+    queue_max_tokens: int | None = None  # their admission demand summed, per process
+    # While several flows are active (in flight, waiting, or seen within this), each holds at
+    # most its weighted share of the token budget: a flood leaves the others' shares free.
+    flow_active_s: float = Field(default=5.0, gt=0)
+    # A request's flow: its API key's tenant, else this header (llm-d's name), else "default".
+    fairness_header: str = "x-llm-d-inference-fairness-id"
+    # Its priority: its tenant's, else the objective this header names (llm-d's name) from
+    # `objectives` (name -> priority; below 0 is sheddable: shed first), else 0.
+    objective_header: str = "x-llm-d-inference-objective"
+    objectives: dict[str, int] = Field(default_factory=dict)
+    # Engines saturated (every engine of the pool past one of these, from their metrics):
+    # new requests queue even when the token budget has room. None: the budget alone.
+    saturation_kv_cache_usage: float | None = Field(default=None, gt=0, le=1)
+    saturation_waiting_requests: int | None = Field(default=None, ge=0)
 
 
 class CapabilitiesConfig(Section):

@@ -46,8 +46,10 @@ class GatewayError(Exception):
         code: str | int | None = None,
         body: bytes | None = None,
         kind: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after = retry_after  # seconds: the Retry-After header of a refusal
         self.status = status
         self.message = message
         self.param = param

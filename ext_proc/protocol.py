@@ -31,10 +31,25 @@ class DataPlane:
     rewrites: bool = True
 
 
+@dataclass(frozen=True)
+class Flow:
+    """Whose share of the gateway a request takes (flow control): its flow (an API key's
+    tenant, a fairness header, or "default"), its priority band (below 0: sheddable) and its
+    weight within the band; a tenant's quotas when it has any."""
+
+    name: str = "default"
+    priority: int = 0
+    weight: float = 1.0
+    tokens_per_minute: int | None = None
+    tenant: str | None = None  # the API key's tenant (None: no key, or keys are off)
+    models: frozenset[str] = frozenset()  # the models its tenant may use (empty: every model)
+
+
 # The data plane of the request being planned: set by the Envoy exchange around planning and
 # read once, when the rendered request is placed (`TokenizedRequest.data_plane`). None: the
 # request came some other way (tito's own Envoy allows everything).
 DATA_PLANE: ContextVar[DataPlane | None] = ContextVar("data_plane", default=None)
+FLOW: ContextVar[Flow | None] = ContextVar("flow", default=None)  # likewise, its flow
 
 
 class Pipeline(enum.Enum):
@@ -211,6 +226,7 @@ class TokenizedRequest:
     prompts: list[PromptTokens] = field(default_factory=list)
     tokenizer_source: Literal["render", "local"] = "render"
     data_plane: DataPlane = DataPlane()  # what the proxy in front allows (tito's own Envoy: everything)
+    flow: Flow = Flow()  # whose share it takes (flow control)
 
     @property
     def api(self) -> Pipeline:

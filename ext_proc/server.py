@@ -38,6 +38,8 @@ from ext_proc.observability.request import Observability
 from ext_proc.observability.tracing import tracer_from_environment
 from ext_proc.planning.planner import Planner
 from ext_proc.services import ProcessState, Services
+from ext_proc.tenancy.flows import Tenancy
+from ext_proc.tenancy.quota import TokenQuota
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from scheduler import (
     AffinityWeights,
@@ -193,6 +195,9 @@ def build_services(
         observability = Observability(tracer=tracer_from_environment(collector.url if collector is not None else None))
     membership = Membership(config, scheduler, capabilities, instance_work(config, scheduler, http))
     planner.on_breaker = observability.breaker_changed
+    planner.flow.on_outcome = observability.metrics.flow_outcome
+    planner.on_tenant_tokens = lambda tenant, tokens: observability.metrics.tenant_tokens.labels(tenant).inc(tokens)
+    planner.quota = first.planner.quota if first is not None else token_quota(config)
     if render_pool is not None:
         render_pool.on_render = observability.render_attempt
     if capabilities is not None:
@@ -215,6 +220,7 @@ def build_services(
         observability=observability,
         capabilities=capabilities,
         membership=membership,
+        tenancy=first.tenancy if first is not None else Tenancy(config),
         loop_lag=loop_lag,
         process=first.process if first is not None else ProcessState(),
     )
@@ -223,6 +229,14 @@ def build_services(
     else:
         first.process.bases.append(services)
     return services
+
+
+def token_quota(config: TitoConfig) -> TokenQuota | None:
+    """Tenants' tokens per minute, for every base of the process (API keys on): each of the
+    gateway's processes (workers x replicas) its share, or all of them one count in Redis."""
+    if config.tenancy.keys_file is None:
+        return None
+    return TokenQuota(config.tenancy, config.processor.workers * config.admission.replicas)
 
 
 def _both(first: Callable[[str, str], None], second: Callable[[str, str], None]) -> Callable[[str, str], None]:
@@ -275,6 +289,11 @@ async def serve(
     observability: Observability | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain; cancellation stops at once."""
+    if stop is None:  # before any port opens: a SIGTERM as soon as one answers is a clean stop
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     limit = config.processor.grpc_max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -311,15 +330,12 @@ async def serve(
                 pollers.append(asyncio.create_task(base.capabilities.run()))
             if base.tokenization.pool is not None:  # failed render endpoints probed back in
                 pollers.append(asyncio.create_task(base.tokenization.pool.run()))
+        if services.tenancy is not None and services.tenancy.keys is not None:  # revoked keys stop working
+            pollers.append(asyncio.create_task(services.tenancy.keys.run()))
         worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
         log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
         if ready is not None:
             ready.set()
-        if stop is None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
             await drain(services, config.processor.drain_timeout_s)
@@ -330,3 +346,5 @@ async def serve(
             admin.close()
             await server.stop(grace=2)
             await asyncio.gather(lag_monitor, *pollers, return_exceptions=True)
+            if services.planner.quota is not None:
+                await services.planner.quota.close()

@@ -6,7 +6,7 @@ for the whole process, the HTTP client, byte budget, observability and counters
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,9 @@ from ext_proc.observability.request import Observability, current
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner
 from ext_proc.planning.refusals import token_only_required
-from ext_proc.protocol import DATA_PLANE, DataPlane
+from ext_proc.protocol import DATA_PLANE, FLOW, DataPlane, Flow
 from ext_proc.response_handlers import Outs, error_answer, replay_native
+from ext_proc.tenancy.flows import Tenancy
 from scheduler import Scheduler
 
 
@@ -62,6 +63,7 @@ class Services:
     codec: TokenCodec | None = None  # token obfuscation (off: None)
     capabilities: Capabilities | None = None  # capability negotiation (off: None)
     membership: Membership | None = None  # the engines as they join and leave (build_services sets it)
+    tenancy: Tenancy | None = None  # API keys and flows (build_services sets it; shared by every base)
     observability: Observability = field(default_factory=Observability)
     loop_lag: LoopLag = field(default_factory=LoopLag)
     process: ProcessState = field(default_factory=ProcessState)
@@ -88,16 +90,39 @@ class Services:
                 return base
         raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
 
+    def flow(self, handler: str, headers: Mapping[str, str]) -> Flow | GatewayError:
+        """The request's flow (its tenant, priority and weight), or its refusal (a missing,
+        unknown or revoked API key: 401) in the route's API envelope."""
+        if self.tenancy is None or handler == "health":
+            return Flow()
+        try:
+            return self.tenancy.flow(headers)
+        except GatewayError as error:
+            return self._enveloped(handler, error)
+
+    def _enveloped(self, handler: str, error: GatewayError) -> GatewayError:
+        api = self.apis.get(handler)
+        body = api.error(error.status, error.body) if api is not None else error.body
+        return GatewayError(error.status, error.message, body=body, retry_after=error.retry_after)
+
     async def plan(
-        self, handler: str, content_type: str | None, raw: bytes, request_id: str, plane: DataPlane | None = None
+        self,
+        handler: str,
+        content_type: str | None,
+        raw: bytes,
+        request_id: str,
+        plane: DataPlane | None = None,
+        flow: Flow | None = None,
     ) -> tuple[Services, Plan]:
         """The request's base model (its services serve it from here on) and its plan, made by
-        the route's API; `plane`: what the proxy in front allows (subset, rewrites)."""
-        token = DATA_PLANE.set(plane)
+        the route's API; `plane`: what the proxy in front allows (subset, rewrites); `flow`:
+        whose share it takes."""
+        plane_token, flow_token = DATA_PLANE.set(plane), FLOW.set(flow)
         try:
             return await self._plan(handler, content_type, raw, request_id)
         finally:
-            DATA_PLANE.reset(token)
+            DATA_PLANE.reset(plane_token)
+            FLOW.reset(flow_token)
 
     async def _plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
         try:
@@ -105,6 +130,7 @@ class Services:
         except GatewayError as error:
             return self, Local(error.status, error.body)
         try:
+            Tenancy.check_model(FLOW.get() or Flow(), body.get("model"))
             base = self.base_for(body.get("model"))
         except GatewayError as error:
             return self, Local(error.status, self.apis[handler].error(error.status, error.body))

@@ -4,6 +4,7 @@ from scheduler.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from scheduler.context_budget import ContextOverflow, clamp_max_tokens
 from scheduler.dispatch import Decision, Pick, Rejection, Scheduler, ScheduleRequest
 from scheduler.engine_load import EngineLoad, EngineLoads
+from scheduler.flow_queue import FlowQueue, Waiting
 from scheduler.instances import Capability, Instance, Pool, Role
 from scheduler.kv_block_hash import BlockHasher
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -13,6 +14,8 @@ from scheduler.policies import AffinityWeights, Candidate, KvCacheAffinity, Load
 from scheduler.prefix_index import PrefixIndex, block_hashes
 
 __all__ = [
+    "FlowQueue",
+    "Waiting",
     "AdapterPlacement",
     "AffinityWeights",
     "AllBlocksCleared",

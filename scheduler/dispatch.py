@@ -364,6 +364,21 @@ class Scheduler:
         picked = self.pick(request, now, role)
         return picked if isinstance(picked, Rejection) else self.commit(picked)
 
+    def saturated(self, kv_usage: float | None, waiting: int | None, now: float) -> bool:
+        """Every routable engine that serves a whole answer (union, else decode) is past a
+        threshold by its fresh metrics: KV cache use or requests waiting. An engine with no
+        fresh sample counts as not saturated (the budget still bounds what it gets)."""
+        if kv_usage is None and waiting is None:
+            return False
+        pool = self.pools.get(Role.UNION) or self.pools.get(Role.DECODE)
+        routable = [i.address for i in (pool.instances if pool else ()) if i.address not in self.held_out]
+        samples = [self.engine_loads.fresh(address, now) for address in routable]
+        return bool(samples) and all(
+            s is not None
+            and ((kv_usage is not None and s.kv_usage >= kv_usage) or (waiting is not None and s.waiting >= waiting))
+            for s in samples
+        )
+
     def passthrough_hosts(self, within: frozenset[str] | None = None) -> tuple[str, ...]:
         """Where a non-inference request (e.g. `/v1/models`) may go: instances with a closed
         breaker, least busy first, else any (of `within`, when given: none there, none). It

@@ -15,11 +15,13 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -m protos.build
 
-# Debian packages: docker-compose (the compose validation test) and dnsmasq (the local DNS
-# server that an elastic local pool's engines are discovered through).
+# Debian packages: docker-compose (the compose validation test), dnsmasq (the local DNS
+# server that an elastic local pool's engines are discovered through) and redis-server (the
+# token quotas' shared store, in the tests).
 missing=()
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

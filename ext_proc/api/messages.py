@@ -161,6 +161,10 @@ def count_tokens_body(input_tokens: int) -> bytes:
 # -- answers -------------------------------------------------------------------------------
 
 
+# Statuses native vLLM never answers on /v1/messages, the gateway does: Anthropic's error types.
+_GATEWAY_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
 def anthropic_error(status: int, body: bytes) -> bytes:
     """An OpenAI error body in Anthropic's envelope, as native's `translate_error_response`
     makes it (type and message kept; anything not an OpenAI error becomes its message)."""
@@ -172,6 +176,8 @@ def anthropic_error(status: int, body: bytes) -> bytes:
         kind, message = error.get("type"), error.get("message")
     else:
         kind, message = None, body.decode("utf-8", "replace")
+    if status in _GATEWAY_TYPES:  # the gateway's own (keys, quotas): Anthropic's types for them
+        kind = _GATEWAY_TYPES[status]
     return orjson.dumps(
         {"type": "error", "error": {"type": str(kind or _phrase(status)), "message": str(message or "")}}
     )

@@ -19,6 +19,7 @@ from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.envoy_protocol.verdicts import Verdict, engine_verdict
 from ext_proc.errors import GatewayError
 from ext_proc.planning.plan import Local, Native, Owned, Passthrough, Plan, TokenOnly, lease_ids, routed
+from ext_proc.protocol import Flow
 from ext_proc.response_handlers import Chunk, ConvertedResponse, Refuse, ResponseHandler, handler_for, refusal
 from ext_proc.services import Services
 from protos.stubs import ext_proc_pb
@@ -49,6 +50,7 @@ class Exchange(EnvoyStream):
         self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
         self._gateway = epp.Gateway()  # what the proxy in front sends and allows
+        self._flow: Flow | GatewayError = Flow()  # whose share it takes (flow control)
         services.process.active_exchanges += 1
         services.process.live.add(self)
 
@@ -89,10 +91,13 @@ class Exchange(EnvoyStream):
         limit = self._s.config.listener.max_request_bytes
         handler = self._s.config.listener.handler(headers.get(":method", ""), headers.get(":path", ""))
         self.record.headers(handler, headers)
+        self._flow = self._s.flow(handler or "", headers)  # its tenant, or why it has none (401)
         if self._s.process.draining:  # SIGTERM: open streams finish, new ones go elsewhere
             yield self._refuse(GatewayError(503, "the gateway is shutting down", code="draining"))
         elif handler is None:  # Envoy's route table answers these itself; never forward one
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
+        elif isinstance(self._flow, GatewayError):
+            yield self._refuse(self._flow)
         elif handler in ("health", "models"):
             self.mode = Mode.LOCAL
             yield msg.immediate_response(200, self._s.answer(handler), self.record)
@@ -151,8 +156,9 @@ class Exchange(EnvoyStream):
     async def _dispatch(self, end_of_stream: bool) -> Replies:
         assert self._route is not None
         raw = self._body.take()
-        plane = self._gateway.plane
-        self._s, plan = await self._s.plan(self._route, self._headers.get("content-type"), raw, self.request_id, plane)
+        plane, flow = self._gateway.plane, self._flow if isinstance(self._flow, Flow) else None
+        content_type = self._headers.get("content-type")
+        self._s, plan = await self._s.plan(self._route, content_type, raw, self.request_id, plane, flow)
         self._plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
             self._plan = plan = await self._s.routable(plan, self.spawn)
@@ -165,7 +171,7 @@ class Exchange(EnvoyStream):
             self.mode = Mode.OWNED if self._owned.streaming else Mode.LOCAL
             return
         if isinstance(plan, Local) and plan.status >= 400:  # a refusal: an ImmediateResponse (EPP protocol)
-            replies = [self._refuse(GatewayError(plan.status, "refused", body=plan.body))]
+            replies = [self._refuse(GatewayError(plan.status, "refused", body=plan.body, retry_after=plan.retry_after))]
         elif isinstance(plan, Local):  # after the body's end
             self.mode, replies = Mode.LOCAL, msg.local_response(plan.status, plan.body, self.record)
         else:  # (a gateway that keeps the answer gets the client's body on its route: `as_sent`)
@@ -189,7 +195,7 @@ class Exchange(EnvoyStream):
         opened (or it is dropped), the rest is not read, held bytes are let go."""
         self.mode = Mode.LOCAL
         self._body.drop()
-        return msg.immediate_response(error.status, error.body, self.record)
+        return msg.immediate_response(error.status, error.body, self.record, error.retry_after)
 
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:  # a generic 500; the details are in the log
         error = GatewayError(500, f"internal gateway error (request {self.request_id})", code="internal_error")

@@ -181,18 +181,22 @@ def local_response(
     return [local_response_headers(status, content_type, record, code), local_response_body(body, True, record)]
 
 
-def immediate_response(status: int, body: bytes, record: RequestRecord) -> ext_proc_pb.ProcessingResponse:
+def immediate_response(
+    status: int, body: bytes, record: RequestRecord, retry_after: int | None = None
+) -> ext_proc_pb.ProcessingResponse:
     """An answer at any point before the response reaches the client, also while the request
     body is still arriving: Envoy sends it, opens no upstream and stops reading the request
-    (a streamed immediate response there would still open the upstream: envoy-ext-proc.md §5)."""
+    (a streamed immediate response there would still open the upstream: envoy-ext-proc.md §5).
+    `retry_after`: seconds, for a refusal the client may retry (429)."""
     record.answered(status, error_code(body) if status >= 400 else None)
     record.chunk(True)
+    headers = {"content-type": JSON, REQUEST_ID_HEADER: record.request_id}
+    if retry_after is not None:
+        headers["retry-after"] = str(retry_after)
     response = ext_proc_pb.ProcessingResponse(
         immediate_response=ext_proc_pb.ImmediateResponse(
             status=type_pb.HttpStatus(code=status),
-            headers=_header_mutation(
-                {"content-type": JSON, REQUEST_ID_HEADER: record.request_id}, HIDDEN_RESPONSE_HEADERS
-            ),
+            headers=_header_mutation(headers, HIDDEN_RESPONSE_HEADERS),
             body=body,
         )
     )

@@ -101,8 +101,22 @@ class StateGauges(Collector):
         yield from (tokens, requests, breaker)
         yield from _render_gauges(state["render_endpoints"])
         yield from _pool_gauges(state["pools"])
+        yield from _flow_gauges(state["flow"])
         if "capabilities" in state:
             yield from _capability_gauges(state["capabilities"])
+
+
+def _flow_gauges(flow: dict[str, Any]) -> Iterator[Metric]:
+    """The admission queue: what waits per band, the queued tokens (the autoscaling signal:
+    deploy/keda), and how long the oldest has waited."""
+    queued = GaugeMetricFamily("tito_flow_queue_requests", "requests waiting for admission", labels=["band"])
+    for band, flows in flow["bands"].items():
+        queued.add_metric([band], sum(f["requests"] for f in flows.values()))
+    yield queued
+    yield _gauge("tito_flow_queued_tokens", "tokens the waiting requests would be admitted with", flow["tokens"])
+    yield _gauge(
+        "tito_flow_oldest_wait_seconds", "how long the oldest waiting request has waited", flow["oldest_wait_s"]
+    )
 
 
 def _render_gauges(endpoints: dict[str, dict[str, Any]]) -> Iterator[Metric]:
@@ -242,6 +256,23 @@ class Metrics:
             "tito_prefix_matched_tokens", "prompt tokens the chosen instance held in its KV cache, per the index"
         )
         self.cancellations = counter("tito_cancellations", "requests whose client left before the end", ("api",))
+        self.flow_requests = counter(
+            "tito_flow_requests", "flow control outcomes (dispatched, rejected_*) by priority band", ("band", "outcome")
+        )
+        self.flow_queue_seconds = histogram(
+            "tito_flow_queue_seconds",
+            "time queued before admission, by band and outcome",
+            ("band", "outcome"),
+            LATENCY_BUCKETS,
+        )
+        self.tenant_tokens = counter(
+            "tito_tenant_admitted_tokens", "tokens admitted per API-key tenant (prompt + n x max_tokens)", ("tenant",)
+        )
+
+    def flow_outcome(self, band: str, outcome: str, waited_s: float) -> None:
+        self.flow_requests.labels(band, outcome).inc()
+        if outcome != "dispatched" or waited_s > 0:  # (at once: not queued)
+            self.flow_queue_seconds.labels(band, outcome).observe(waited_s)
 
     def watch(self, state: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(StateGauges(state))

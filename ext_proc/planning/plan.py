@@ -27,6 +27,7 @@ from scheduler import Role
 class Local:
     status: int
     body: bytes
+    retry_after: int | None = None  # seconds, for a refusal a client may retry (429)
 
 
 @dataclass(frozen=True)

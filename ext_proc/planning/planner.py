@@ -12,9 +12,11 @@ processor-owned one (a leg per prompt) try them in `_leg`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any, NamedTuple
 
 import orjson
@@ -26,7 +28,20 @@ from ext_proc.frontend.tokenization import TokenizationService
 from ext_proc.observability.request import current
 from ext_proc.planning.bodies import with_adapter
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
-from ext_proc.planning.plan import Leg, Local, Native, Owned, Passthrough, Plan, TokenOnly, engine_legs, pinned
+from ext_proc.planning.flow_control import FlowControl
+from ext_proc.planning.plan import (
+    Leg,
+    Local,
+    Native,
+    Owned,
+    Passthrough,
+    Plan,
+    TokenOnly,
+    engine_legs,
+    lease_ids,
+    pinned,
+    routed,
+)
 from ext_proc.planning.refusals import (
     TRIGGER_BATCH_OBFUSCATED,
     refuse_what_the_sidecar_cannot_derender,
@@ -47,8 +62,19 @@ from ext_proc.planning.topology import (
     shapes,
     trigger_batch,
 )
-from ext_proc.protocol import DATA_PLANE, Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import DATA_PLANE, FLOW, Adapter, OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.tenancy.quota import QuotaUnavailable, TokenQuota
 from scheduler import Capability, Decision, Pick, Rejection, Role, Scheduler, ScheduleRequest
+
+# Refusals the request's record counts as admission's (a metric by code).
+REJECTIONS = (
+    "token_budget_exceeded",
+    "no_healthy_instance",
+    "queue_full",
+    "queue_timeout",
+    "shed",
+    "tenant_quota_exceeded",
+)
 
 
 class Planner:
@@ -74,6 +100,17 @@ class Planner:
         self.kv_params_required = decode is not None and decode.kv_connector == "nixl"
         # Trigger callbacks reach the processor's admin port, never the public listener.
         self.metaserver = f"http://{config.processor.host}:{config.processor.admin_port}/v1/metaserver"
+        admission = config.admission
+        saturation = (admission.saturation_kv_cache_usage, admission.saturation_waiting_requests)
+        self.flow = FlowControl(
+            admission,
+            lambda: scheduler.saturated(*saturation, clock()),
+            self._give_back_plan,
+            budget=lambda: scheduler.ledger.global_budget,
+            lease=_holding_lease,
+        )
+        self.quota: TokenQuota | None = None  # tenants' tokens per minute (server.py sets it with keys on)
+        self.on_tenant_tokens: Callable[[str, int], None] = lambda tenant, tokens: None  # (metrics)
 
     def passthrough(self, within: frozenset[str] | None = None) -> Passthrough:
         """Where a request goes that is not planned (an engine's own route, or a body the
@@ -108,17 +145,41 @@ class Planner:
         """A rendered request admitted and placed (`raw`: its body, for a native leg); what
         cannot be placed is answered locally and takes nothing."""
         record, started = current(), time.perf_counter()
-        if (plane := DATA_PLANE.get()) is not None and plane != tokenized.data_plane:
-            tokenized = replace(tokenized, data_plane=plane)
+        tokenized = _scoped(tokenized)
         try:
-            plan = await self._load_adapter(self.place(tokenized, raw), tokenized.request.adapter)
+            plan = await self._admitted(tokenized, raw)
+            plan = await self._load_adapter(plan, tokenized.request.adapter)
         except GatewayError as error:
-            if record is not None and error.code in ("token_budget_exceeded", "no_healthy_instance"):
+            if record is not None and error.code in REJECTIONS:
                 record.rejected(str(error.code))
-            return Local(error.status, error.body)
+            return Local(error.status, error.body, error.retry_after)
         if record is not None:
             record.scheduled(started, tokenized.prompt_tokens)
         return plan
+
+    async def _admitted(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
+        """Placed once its tenant's quota and its turn allow (flow control): GatewayError, refused."""
+        demand = self._routed_asks(tokenized).alone.demand
+        flow = tokenized.flow
+        if self.quota is not None and flow.tenant is not None and flow.tokens_per_minute is not None:
+            try:
+                retry_after = await self.quota.reserve(flow.tenant, demand, flow.tokens_per_minute)
+            except QuotaUnavailable:  # Redis down and `tenancy.redis_fail_mode: refuse`
+                raise GatewayError(503, "token quotas are unavailable", code="quota_unavailable") from None
+            if retry_after is not None:
+                message = f"tenant {flow.tenant}'s tokens per minute are used up ({demand} tokens requested)"
+                raise GatewayError(429, message, code="tenant_quota_exceeded", retry_after=math.ceil(retry_after))
+        plan = await self.flow.admitted(flow, demand, partial(self.place, tokenized, raw))
+        if flow.tenant is not None:
+            self.on_tenant_tokens(flow.tenant, demand)
+        return plan
+
+    def _give_back_plan(self, plan: Plan) -> None:
+        """A plan placed for a client that left while it waited: its legs' tokens go back."""
+        if isinstance(plan, Owned):
+            self._give_back(list(plan.legs))
+        for lease in lease_ids(plan):
+            self.finish(lease)
 
     async def counted(self, request: OpenAIRequest, raw: bytes, request_id: str) -> int:
         """The prompt's token count, from render alone, as native counts it: nothing is
@@ -396,6 +457,7 @@ class Planner:
         breakers = self.scheduler.breakers
         before = {a: breakers[a].state for a in (*failed, served_by) if a in breakers}
         self.scheduler.finish(lease_id, self._clock(), failed, served_by)
+        self.flow.released(lease_id)  # room for a waiting request
         for address, was in before.items():
             if breakers[address].state is not was and self.on_breaker is not None:
                 self.on_breaker(address, breakers[address].state.value)
@@ -423,6 +485,25 @@ def _scope(tokenized: TokenizedRequest) -> dict[str, Any]:
     adapter = tokenized.request.adapter
     lora = {} if adapter is None else {"adapter": adapter.name, "adapter_path": adapter.path}
     return {**lora, "within": tokenized.data_plane.within}
+
+
+def _holding_lease(plan: Plan) -> str | None:
+    """The lease that ends a plan's hold on its flow's share: the leg that answers (a
+    Handoff's prefill leg ends first), or a fan-out's first."""
+    if isinstance(plan, Owned):
+        return plan.legs[0].lease_id if plan.legs else None
+    return routed(plan)[0]
+
+
+def _scoped(tokenized: TokenizedRequest) -> TokenizedRequest:
+    """The request with what the stream it came on says of it: the data plane's allowances
+    and its flow (set around planning by the Envoy exchange)."""
+    scope: dict[str, Any] = {}
+    if (plane := DATA_PLANE.get()) is not None and plane != tokenized.data_plane:
+        scope["data_plane"] = plane
+    if (flow := FLOW.get()) is not None and flow != tokenized.flow:
+        scope["flow"] = flow
+    return replace(tokenized, **scope) if scope else tokenized
 
 
 def _kept(tokenized: TokenizedRequest) -> TokenizedRequest:

@@ -32,6 +32,7 @@ EVERY_COMMAND = {
     "engines",
     "conformance",
     "epp-check",
+    "hash-key",
     "bench",
     "config-reference",
 }

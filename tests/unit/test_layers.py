@@ -22,6 +22,7 @@ LAYERS = [
         "ext_proc.config_edge",
         "ext_proc.config_routing",
         "ext_proc.config_discovery",
+        "ext_proc.config_tenancy",
         "ext_proc.errors",
         "ext_proc.protocol",
         "ext_proc.model_files",
@@ -33,6 +34,7 @@ LAYERS = [
     },
     {"ext_proc.frontend"},
     {"ext_proc.derender"},
+    {"ext_proc.tenancy"},  # API keys, flows and token quotas: admission's inputs
     {"ext_proc.planning"},
     {"ext_proc.fleet"},
     {"ext_proc.legs", "ext_proc.response_handlers"},
@@ -87,8 +89,9 @@ def test_the_scheduler_is_pure() -> None:
 
 def test_the_envoy_adapter_holds_only_the_protocol() -> None:
     # The protocol, the plan's messages and what the request's record is told: nothing else
-    # (what a GIE gateway sends and allows is read in envoy_protocol/epp.py).
-    assert len((ROOT / "ext_proc/envoy_protocol/exchange.py").read_text().splitlines()) < 240
+    # (what a GIE gateway sends and allows is read in envoy_protocol/epp.py; a request's flow,
+    # its tenant, in tenancy/).
+    assert len((ROOT / "ext_proc/envoy_protocol/exchange.py").read_text().splitlines()) < 250
 
 
 # A client API family by name: Anthropic Messages, OpenAI Responses (chat and completions are

@@ -1,0 +1,234 @@
+"""Flow control: who is admitted next (`scheduler.FlowQueue`: priority bands, fair share in
+tokens, bounds, shedding) and the waiting room around it (`planning/flow_control.py`:
+timeouts with Retry-After, clients leaving, room freed by releases)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from ext_proc.config_routing import AdmissionConfig
+from ext_proc.errors import GatewayError
+from ext_proc.planning.flow_control import BUDGET_FULL, FlowControl, QueueRefusal
+from ext_proc.planning.plan import Local, Plan
+from ext_proc.protocol import Flow
+from scheduler import FlowQueue, Waiting
+
+
+def _drain(queue: FlowQueue) -> list[str]:
+    order = []
+    while (waiting := queue.next()) is not None:
+        queue.dispatched(waiting)
+        order.append(waiting.flow)
+    return order
+
+
+def test_the_highest_band_goes_first_then_arrival_order_within_a_flow() -> None:
+    queue = FlowQueue(100)
+    low, high, first, second = Waiting("a", -1, 10), Waiting("b", 5, 10), Waiting("c", 0, 10), Waiting("c", 0, 10)
+    for waiting in (low, first, high, second):
+        queue.push(waiting)
+    order = []
+    while (waiting := queue.next()) is not None:
+        order.append(waiting)
+        queue.dispatched(waiting)
+    assert order == [high, first, second, low]
+
+
+def test_equal_flows_share_by_tokens_whatever_they_queued() -> None:
+    queue = FlowQueue(100)
+    for _ in range(10):
+        queue.push(Waiting("noisy", 0, 100))
+    for _ in range(3):
+        queue.push(Waiting("quiet", 0, 100))
+    assert _drain(queue)[:6] == ["noisy", "quiet"] * 3  # (a FIFO would serve 10 noisy first)
+
+
+def test_shares_follow_weights_and_tokens() -> None:
+    queue = FlowQueue(100)
+    for _ in range(8):
+        queue.push(Waiting("heavy", 0, 100, weight=2.0))
+        queue.push(Waiting("light", 0, 100))
+    assert _drain(queue)[:6].count("heavy") == 4
+    small = FlowQueue(100)
+    for _ in range(6):
+        small.push(Waiting("big", 0, 300))
+        small.push(Waiting("small", 0, 100))
+    assert _drain(small)[:4] == ["big", "small", "small", "small"]  # one 300-token request = three of 100
+
+
+def test_an_idle_flow_banks_no_credit() -> None:
+    queue = FlowQueue(100)
+    for _ in range(5):
+        queue.push(Waiting("busy", 0, 100))
+    _drain(queue)  # busy alone: its virtual time is far ahead, the band's clock with it
+    for _ in range(3):
+        queue.push(Waiting("busy", 0, 100))
+        queue.push(Waiting("new", 0, 100))
+    assert _drain(queue)[:4] in (["busy", "new"] * 2, ["new", "busy"] * 2)
+
+
+def test_a_full_queue_sheds_sheddable_waiters_lowest_and_newest_first() -> None:
+    queue = FlowQueue(3, max_tokens=1000)
+    old, new, other = Waiting("s", -1, 10), Waiting("s", -1, 10), Waiting("s", -2, 10)
+    for waiting in (old, new, other):
+        queue.push(waiting)
+    assert queue.room_for(Waiting("x", 0, 10)) == [other]
+    assert queue.room_for(Waiting("x", -1, 10)) == [other]  # only lower bands than the newcomer's
+    assert queue.room_for(Waiting("x", -2, 10)) is None  # nothing lower: refused
+    queue.remove(other)
+    assert queue.room_for(Waiting("x", 0, 995)) == [new, old]  # tokens bound too
+    assert queue.room_for(Waiting("x", 0, 2000)) is None
+
+
+class Budget:
+    """Admission's room, as a place() closure sees it: tokens left, and what was placed."""
+
+    def __init__(self, tokens: int) -> None:
+        self.left = tokens
+        self.placed: list[str] = []
+        self.given_back: list[Plan] = []
+
+    def place(self, name: str, demand: int) -> Callable[[], Plan]:
+        def attempt() -> Plan:
+            if demand > self.left:
+                raise GatewayError(429, "full", code=BUDGET_FULL)
+            self.left -= demand
+            self.placed.append(name)
+            return Local(200, name.encode())
+
+        return attempt
+
+
+def _control(budget: Budget, timeout_s: float = 5.0, saturated: bool = False, **queue: int) -> FlowControl:
+    config = AdmissionConfig(queue_timeout_s=timeout_s, **queue)
+    return FlowControl(config, lambda: saturated, budget.given_back.append)
+
+
+async def test_off_a_request_that_does_not_fit_is_refused_at_once() -> None:
+    budget = Budget(10)
+    control = _control(budget, timeout_s=0)
+    with pytest.raises(GatewayError) as refused:
+        await control.admitted(Flow(), 20, budget.place("a", 20))
+    assert refused.value.status == 429 and refused.value.code == BUDGET_FULL
+
+
+async def test_waiters_are_placed_as_room_frees_in_fair_order() -> None:
+    budget = Budget(100)
+    control = _control(budget)
+    assert await control.admitted(Flow("noisy"), 100, budget.place("n0", 100))
+    waiters = [asyncio.create_task(control.admitted(Flow("noisy"), 100, budget.place(f"n{i}", 100))) for i in (1, 2)]
+    await asyncio.sleep(0)
+    waiters.append(asyncio.create_task(control.admitted(Flow("quiet"), 100, budget.place("q1", 100))))
+    await asyncio.sleep(0.01)
+    assert budget.placed == ["n0"] and control.snapshot()["requests"] == 3
+    for _ in range(3):
+        budget.left += 100  # a lease released
+        control.released("lease")
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*waiters)
+    assert budget.placed == ["n0", "n1", "q1", "n2"]  # the quiet flow's one before noisy's second
+    assert control.snapshot()["requests"] == 0
+
+
+async def test_a_request_that_waits_its_whole_timeout_gets_429_with_retry_after() -> None:
+    budget = Budget(0)
+    control = _control(budget, timeout_s=0.1)
+    with pytest.raises(QueueRefusal) as refused:
+        await control.admitted(Flow(), 10, budget.place("a", 10))
+    assert refused.value.status == 429 and refused.value.retry_after == 1 and refused.value.code == "queue_timeout"
+    assert control.snapshot()["requests"] == 0 and control.timed_out == 1
+
+
+async def test_a_client_leaving_while_queued_is_removed_at_once() -> None:
+    budget = Budget(0)
+    control = _control(budget)
+    waiter = asyncio.create_task(control.admitted(Flow(), 10, budget.place("a", 10)))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert control.snapshot()["requests"] == 0
+    budget.left = 10
+    control.released("lease")
+    await asyncio.sleep(0.01)
+    assert budget.placed == []  # nothing placed for a client that is gone
+
+
+async def test_a_plan_placed_as_its_client_leaves_gives_its_tokens_back() -> None:
+    budget = Budget(0)
+    control = _control(budget)
+    waiter = asyncio.create_task(control.admitted(Flow(), 10, budget.place("a", 10)))
+    await asyncio.sleep(0.01)
+    budget.left = 10
+    control._dispatch()  # placed now, and the client leaves before its task resumes
+    waiter.cancel()
+    try:  # either the request goes on with its plan (its stream then gives it back) ...
+        assert await waiter == Local(200, b"a")
+        assert budget.given_back == []
+    except asyncio.CancelledError:  # ... or its tokens go back here: never neither
+        assert budget.given_back == [Local(200, b"a")]
+    assert budget.placed == ["a"]
+
+
+async def test_when_full_sheddable_waiters_are_shed_for_a_higher_band() -> None:
+    budget = Budget(0)
+    control = _control(budget, queue_max_requests=1)
+    sheddable = asyncio.create_task(control.admitted(Flow("batch", priority=-1), 10, budget.place("s", 10)))
+    await asyncio.sleep(0.01)
+    urgent = asyncio.create_task(control.admitted(Flow("chat", priority=1), 10, budget.place("u", 10)))
+    with pytest.raises(QueueRefusal) as shed:
+        await sheddable
+    assert shed.value.code == "shed" and shed.value.retry_after >= 1
+    with pytest.raises(QueueRefusal) as full:  # a third, of the same band: no room, nothing lower
+        await control.admitted(Flow("chat", priority=1), 10, budget.place("x", 10))
+    assert full.value.code == "queue_full"
+    budget.left = 10
+    control.released("lease")
+    assert await urgent == Local(200, b"u")
+
+
+async def test_saturated_engines_queue_requests_the_budget_would_take() -> None:
+    budget = Budget(100)
+    saturated = [True]
+    control = FlowControl(AdmissionConfig(queue_timeout_s=5), lambda: saturated[0], budget.given_back.append)
+    waiter = asyncio.create_task(control.admitted(Flow(), 10, budget.place("a", 10)))
+    await asyncio.sleep(0.12)
+    assert budget.placed == []
+    saturated[0] = False  # the engines' metrics say so: the tick lets it in, no release needed
+    assert await waiter == Local(200, b"a")
+
+
+async def test_a_flood_holds_at_most_its_share_while_another_flow_is_active() -> None:
+    budget = Budget(100)
+    control = FlowControl(
+        AdmissionConfig(queue_timeout_s=5, flow_active_s=5),
+        lambda: False,
+        budget.given_back.append,
+        budget=lambda: 100,
+        lease=lambda plan: plan.body.decode(),  # (Local(200, name): the name is its lease)
+    )
+    await control.admitted(Flow("quiet"), 20, budget.place("q0", 20))
+    budget.left += 20
+    control.released("q0")  # quiet is idle now, but was seen: still active
+    noisy = [asyncio.create_task(control.admitted(Flow("noisy"), 20, budget.place(f"n{i}", 20))) for i in range(4)]
+    await asyncio.sleep(0.01)
+    assert budget.placed == ["q0", "n0", "n1"] and budget.left == 60  # half the budget each, room left
+    assert await control.admitted(Flow("quiet"), 20, budget.place("q1", 20)) == Local(200, b"q1")  # at once
+    for lease in ("n0", "n1", "q1"):
+        budget.left += 20
+        control.released(lease)
+    await asyncio.gather(*noisy)
+    assert budget.placed[-2:] == ["n2", "n3"]
+
+
+def test_a_flood_cannot_fill_the_queue_against_another_flow() -> None:
+    queue = FlowQueue(4)
+    flood = [Waiting("noisy", 0, 10) for _ in range(4)]
+    for waiting in flood:
+        queue.push(waiting)
+    assert queue.room_for(Waiting("quiet", 0, 10)) == [flood[-1]]  # the flood's newest makes room
+    assert queue.room_for(Waiting("noisy", 0, 10)) is None  # the flood itself: refused
+    assert queue.room_for(Waiting("quiet", -1, 10)) is None  # a lower band takes nothing from a higher
