@@ -19,6 +19,7 @@ import yaml
 
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig, load_config
 from ext_proc.envoy_protocol.bootstrap import render_bootstrap, write_bootstrap
+from ext_proc.observability.metrics import _flow_gauges
 from ext_proc.tools.tiny_model import FORMAT_VERSION
 from render_sidecar.launch import engine_command
 from tests.conftest import missing
@@ -901,3 +902,14 @@ def test_gie_epp_pod_is_the_processor_without_envoy(tmp_path: Path) -> None:
 
 def test_gie_role_grants_only_reading_pods_and_pools(tmp_path: Path) -> None:
     _assert_reads_only_pods_and_pools(_gie_config(tmp_path), _gie_documents(), "tito-epp")
+
+
+def test_the_autoscaling_example_scales_the_engines_on_queued_tokens() -> None:
+    (scaled,) = _documents(DEPLOY / "keda")
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    engine = _object("Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+    assert engine["metadata"]["namespace"] == scaled["metadata"]["namespace"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == "sum(tito_flow_queued_tokens)"
+    exposed = {m.name for m in _flow_gauges({"bands": {}, "tokens": 0, "oldest_wait_s": 0})}
+    assert "tito_flow_queued_tokens" in exposed  # the metric the query reads exists
