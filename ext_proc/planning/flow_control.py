@@ -5,9 +5,10 @@ Who goes next is `scheduler.FlowQueue`'s (priority band, then fair share across 
 
 Fair share holds in admission too, not only in the queue's order: while several flows are
 active (a request in flight or waiting, or one seen within `admission.flow_active_s`), a flow
-may hold at most its weighted share of the token budget (always at least one request). A
-flow sending ten times as much cannot fill the budget, so the quiet flow's share stays free
-for it and its requests are admitted on arrival, at the latency they get alone.
+may hold at most its weighted share of the token budget (always at least one request), and
+while a higher band has an active flow holding nothing, room for one request stays free for
+it. A flow sending ten times as much cannot fill the budget, and a lower band cannot take the
+last room a higher one needs: their next requests are admitted on arrival.
 
 A waiting request is placed by the dispatcher when room frees (a lease is released) or on a
 short tick while anything waits (saturation moves with the engines' metrics, not with
@@ -74,7 +75,7 @@ class FlowControl:
         self._lease = lease  # the lease whose release ends a plan's hold on its flow's share
         self._usage: dict[str, int] = {}  # tokens each flow holds, admitted here
         self._holds: dict[str, tuple[str, int]] = {}  # lease -> (flow, tokens)
-        self._seen: dict[str, tuple[float, float]] = {}  # flow -> (last arrival, weight)
+        self._seen: dict[str, tuple[float, int, float]] = {}  # flow -> (last arrival, priority, weight)
         self.queue = FlowQueue(config.queue_max_requests, config.queue_max_tokens)
         self._entries: dict[Waiting, _Entry] = {}
         self._ticker: asyncio.Task[None] | None = None
@@ -93,7 +94,7 @@ class FlowControl:
             return place()
         if len(self._seen) > MAX_ACTIVE_FLOWS:  # (names from a header: keep memory bounded)
             self._forget_idle()
-        self._seen[flow.name] = (self._clock(), flow.weight)
+        self._seen[flow.name] = (self._clock(), flow.priority, flow.weight)
         waiting = Waiting(flow.name, flow.priority, demand, flow.weight)
         if not self.queue and not self._saturated() and self._within_share(waiting):
             try:
@@ -159,15 +160,26 @@ class FlowControl:
 
     def _within_share(self, waiting: Waiting) -> bool:
         """The flow may take `demand` more: its weighted share of the budget among the active
-        flows has room (a flow holding nothing may always take one request)."""
+        flows has room (a flow holding nothing may always take one request), and, while a
+        higher band has an active flow holding nothing, room for one more request stays free
+        for it, so its next request is admitted on arrival."""
         budget, used = self._budget(), self._usage.get(waiting.flow, 0)
-        if budget is None or not used:
+        if budget is None:
             return True
+        active = self._active(waiting)
+        higher_idle = any(p > waiting.priority and f not in self._usage for f, (p, _) in active.items())
+        if sum(self._usage.values()) + waiting.demand * (2 if higher_idle else 1) > budget:
+            return False
+        share = budget * waiting.weight / sum(weight for _, weight in active.values())
+        return not used or used + waiting.demand <= share
+
+    def _active(self, waiting: Waiting) -> dict[str, tuple[int, float]]:
+        """The active flows (in flight, waiting, or seen within `flow_active_s`): priority, weight."""
         now = self._clock()
-        active = {f: w for f, (seen, w) in self._seen.items() if now - seen <= self._config.flow_active_s}
-        active.update({w.flow: w.weight for w in self._entries} | {f: active.get(f, 1.0) for f in self._usage})
-        active[waiting.flow] = waiting.weight
-        return used + waiting.demand <= budget * waiting.weight / sum(active.values())
+        active = {f: (p, w) for f, (seen, p, w) in self._seen.items() if now - seen <= self._config.flow_active_s}
+        active.update({w.flow: (w.priority, w.weight) for w in self._entries})
+        active[waiting.flow] = (waiting.priority, waiting.weight)
+        return active
 
     def _held(self, waiting: Waiting, plan: Plan) -> Plan:
         """The plan's tokens count against its flow's share until its lease goes back."""
@@ -212,7 +224,7 @@ class FlowControl:
 
     def _forget_idle(self) -> None:
         now = self._clock()
-        for flow in [f for f, (seen, _) in self._seen.items() if now - seen > self._config.flow_active_s]:
+        for flow in [f for f, (seen, _, _) in self._seen.items() if now - seen > self._config.flow_active_s]:
             del self._seen[flow]
 
     def _tick_soon(self) -> None:

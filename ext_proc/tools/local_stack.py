@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import socket
 import sys
 import time
@@ -450,9 +451,15 @@ def run_dir(config: TitoConfig) -> Path:
     return Path(config.local.cache_dir).expanduser() / "run"
 
 
-def smoke_request(base_url: str, model: str) -> str:
+def smoke_request(base_url: str, model: str, keys_on: bool = False) -> str:
+    """One chat through the stack. With API keys on (`tenancy.keys_file`), it presents
+    `TITO_API_KEY` when set; without one, the gateway's 401 is the answer it should give."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "seed": 1}
-    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    key = os.environ.get("TITO_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers, timeout=60, trust_env=False)
+    if response.status_code == 401 and keys_on and not key:
+        return "401 (API keys are on; set TITO_API_KEY for a smoke request with one)"
     response.raise_for_status()
     return response.text
 
@@ -539,7 +546,8 @@ def run_up(config: TitoConfig) -> int:
     try:
         stack.start()
         print(f"tito is up: {stack.base_url}/v1  (model {config.model.served_name!r})", flush=True)
-        print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name)}", flush=True)
+        keys_on = config.tenancy.keys_file is not None
+        print(f"smoke request -> {smoke_request(stack.base_url, config.model.served_name, keys_on)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         return Supervision(stack).run(stop)
     finally:

@@ -232,3 +232,26 @@ def test_a_flood_cannot_fill_the_queue_against_another_flow() -> None:
     assert queue.room_for(Waiting("quiet", 0, 10)) == [flood[-1]]  # the flood's newest makes room
     assert queue.room_for(Waiting("noisy", 0, 10)) is None  # the flood itself: refused
     assert queue.room_for(Waiting("quiet", -1, 10)) is None  # a lower band takes nothing from a higher
+
+
+async def test_a_lower_band_leaves_room_for_an_active_higher_one() -> None:
+    budget = Budget(200)
+    control = FlowControl(
+        AdmissionConfig(queue_timeout_s=5, flow_active_s=5),
+        lambda: False,
+        budget.given_back.append,
+        budget=lambda: 200,
+        lease=lambda plan: plan.body.decode(),
+    )
+    await control.admitted(Flow("hi", priority=10), 80, budget.place("h0", 80))
+    budget.left += 80
+    control.released("h0")  # hi is idle, and active
+    await control.admitted(Flow("std"), 80, budget.place("s0", 80))  # one request, hi's room left
+    batch = asyncio.create_task(control.admitted(Flow("batch", priority=-1), 80, budget.place("b0", 80)))
+    await asyncio.sleep(0.01)
+    assert budget.placed == ["h0", "s0"] and budget.left == 120  # batch waits: the room is hi's
+    assert await control.admitted(Flow("hi", priority=10), 80, budget.place("h1", 80)) == Local(200, b"h1")
+    for lease in ("s0", "h1"):
+        budget.left += 80
+        control.released(lease)
+    assert await batch == Local(200, b"b0")
