@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,25 +29,18 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
 from ext_proc.config import TitoConfig
 from ext_proc.tools.elastic_pool import read_state, request_scale
 from ext_proc.tools.local_stack import run_dir
+from tests.bench.sse import DONE, events, story_chat
+from tests.bench.up import running_up
 
 PROMPTS = 16  # distinct requests, cycled over the streams (each answered natively once)
 
 
 def body(i: int, max_tokens: int, stream: bool = True) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": f"Tell story number {i % PROMPTS}."}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        **({"stream_options": {"include_usage": True}} if stream else {}),
-    }
+    return story_chat(i, max_tokens, PROMPTS, stream)
 
 
 @dataclass
@@ -68,13 +59,11 @@ async def one_stream(http: httpx.AsyncClient, url: str, i: int, max_tokens: int,
         async with http.stream("POST", url + "/v1/chat/completions", json=body(i, max_tokens)) as response:
             if response.status_code != 200:
                 error = f"status {response.status_code}"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for event in events(response):
+                if event == DONE:
                     done += 1
                     continue
-                event = json.loads(line[6:])
+                assert isinstance(event, dict)
                 if "error" in event:
                     error = "error event"
                 for choice in event.get("choices", []):
@@ -169,25 +158,10 @@ def tito_up(replicas: int) -> Iterator[Stack]:
             "local": {"cache_dir": str(work / "cache"), "replicas": replicas, "kv_events_port": free_ports(2)},
         }
     )
-    path = work / "tito.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    log = (work / "up.log").open("w")
-    command = [sys.executable, "-m", "ext_proc.cli", "--config", str(path), "up"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stack = Stack(config, process, run_dir(config))
-    try:
-        deadline = time.monotonic() + 600
-        while "smoke request ->" not in (work / "up.log").read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("tito up did not come up:\n" + (work / "up.log").read_text()[-3000:])
-            time.sleep(0.5)
+    with running_up(config, work) as process:
+        stack = Stack(config, process, run_dir(config))
         print(f"tito up: {stack.url}, logs in {stack.run_dir / 'logs'}", flush=True)
         yield stack
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        process.wait(120)
-        log.close()
 
 
 def wait(condition: Any, timeout: float, what: str) -> float:

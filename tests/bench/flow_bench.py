@@ -41,8 +41,6 @@ import contextlib
 import itertools
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +60,8 @@ from redis.exceptions import RedisError
 from ext_proc.config import TitoConfig
 from ext_proc.tenancy.keys import hash_key
 from ext_proc.tools.local_stack import run_dir
+from tests.bench.sse import DONE, events, story_chat
+from tests.bench.up import running_up
 from tests.redis_server import RedisServer
 
 PROMPTS = 16  # distinct prompts, cycled
@@ -92,16 +92,8 @@ def api_key(tenant: str) -> str:
     return f"flow-bench-{tenant}"
 
 
-def body(i: int, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": f"Tell story number {i % PROMPTS}."}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def body(i: int, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    return story_chat(i, max_tokens, PROMPTS, stream)
 
 
 # -- one request ----------------------------------------------------------------------------
@@ -152,13 +144,11 @@ async def _exchange(http: httpx.AsyncClient, url: str, i: int, result: Result, b
             result.code = _error_code(await response.aread())
             return
         done, error, usage = 0, False, None
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for event in events(response):
+            if event == DONE:
                 done += 1
                 continue
-            event = json.loads(line[6:])
+            assert isinstance(event, dict)
             error = error or "error" in event
             if result.ttft is None and any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
                 result.ttft = time.monotonic() - began
@@ -345,32 +335,12 @@ def stack_config(work: Path, redis: RedisServer) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def tito_up(work: Path, redis: RedisServer) -> Iterator[Stack]:
-    """`tito up` with the bench's config, until "smoke request ->" is in its log; SIGTERM to
-    its process group at the end."""
-    raw = stack_config(work, redis)
-    config = TitoConfig.model_validate(raw)
-    path = work / "tito.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    log_path = work / "up.log"
-    log = log_path.open("w")
-    env = {**os.environ, "TITO_API_KEY": api_key(SMOKE_TENANT)}  # the smoke request's key
-    command = [sys.executable, "-m", "ext_proc.cli", "--config", str(path), "up"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while "smoke request ->" not in log_path.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                logs = run_dir(config) / "logs"
-                raise RuntimeError(f"tito up did not come up (logs in {logs}):\n" + log_path.read_text()[-3000:])
-            time.sleep(0.5)
+    """`tito up` with the bench's config; `tito up`'s smoke request carries a tenant's key."""
+    config = TitoConfig.model_validate(stack_config(work, redis))
+    with running_up(config, work, {"TITO_API_KEY": api_key(SMOKE_TENANT)}) as process:
         stack = Stack(config, process, work)
         print(f"tito up: {stack.url}; logs in {run_dir(config) / 'logs'}, bench files in {work}", flush=True)
         yield stack
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        process.wait(120)
-        log.close()
 
 
 # -- watching the processors and the engine -------------------------------------------------
