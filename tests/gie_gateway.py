@@ -287,9 +287,12 @@ def start_gie_envoy(
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     envoy = GieEnvoy(port, admin_port, process, log_path)
     deadline = time.monotonic() + 30
-    while not _healthy(envoy):
-        if process.poll() is not None or time.monotonic() > deadline:
-            envoy.stop()
-            raise RuntimeError(f"the GIE-style Envoy did not come up: {log_path.read_text()[-2000:]}")
-        time.sleep(0.2)
+    try:
+        while not _healthy(envoy):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the GIE-style Envoy did not come up: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+    except BaseException:  # (an interrupted wait too: no Envoy left behind)
+        envoy.stop()
+        raise
     return envoy
