@@ -133,7 +133,8 @@ def bootstrap(
     route: dict[str, object] = {"cluster": "pool", "timeout": "0s", "idle_timeout": "300s"}
     if kind == "override_host":  # the proxy walks the picker's list on a retry (EPP protocol)
         route["retry_policy"] = {
-            "retry_on": "connect-failure,refused-stream,reset",
+            "retry_on": "connect-failure,refused-stream,reset,retriable-status-codes",
+            "retriable_status_codes": [503],
             "num_retries": 2,
             "retry_host_predicate": [
                 {

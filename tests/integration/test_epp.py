@@ -129,24 +129,26 @@ def test_shed_is_429_in_the_api_envelope(original_dst: tuple[SimGateway, GieEnvo
 
 
 def test_the_served_report_is_what_breakers_learn(override_host: tuple[SimGateway, GieEnvoy, list]) -> None:
-    """The first engine of the list is down: the gateway walks the list to the second and
-    reports it as served. Without reading the report the processor learns nothing (no
-    `x-tito-upstream-host`, no attempt count behind a GIE gateway)."""
-    gateway, envoy, servers = override_host
+    """The first engine of the list fails the request (503, before any output): the gateway
+    walks the list to the second and reports it as served. Without reading the report the
+    processor learns nothing (no `x-tito-upstream-host`, no attempt count behind a GIE
+    gateway): neither the failure nor who answered."""
+    gateway, envoy, _ = override_host
     gateway.restore()
-    down, up = servers[0], servers[1]
-    down.stop()
-    try:
-        statuses = [_chat(envoy).status_code for _ in range(2)]  # round robin: one names `down` first
-        assert statuses == [200, 200]
-        assert envoy.stat("cluster.pool.upstream_rq_retry") >= 1  # the ordered list, walked
-        instances = gateway.state()["scheduler"]["instances"]
-        assert instances[down.sim.address]["consecutive_failures"] >= 1 or not instances[down.sim.address]["routes"]
-        assert instances[up.sim.address]["consecutive_failures"] == 0
-        assert len(up.sim.received) == 2 and not down.sim.received
-    finally:
-        down.restart()
+    fault = Fault("status", status=503, times=1)  # the first engine asked, whichever it is
+    for sim in gateway.sims:
+        sim.fault = fault
+    retries = envoy.stat("cluster.pool.upstream_rq_retry")
+    response = _chat(envoy)
+    assert response.status_code == 200, response.text
+    assert envoy.stat("cluster.pool.upstream_rq_retry") == retries + 1  # the ordered list, walked
+    instances = gateway.state()["scheduler"]["instances"]
+    failures = sorted(instances[sim.address]["consecutive_failures"] for sim in gateway.sims)
+    assert failures == [0, 1]  # the first engine failed, the one that served did not
+    assert sorted(len(sim.received) for sim in gateway.sims) == [1, 1]
     gateway.assert_no_leaks()
+    gateway.restore()
+    assert _chat(envoy).status_code == 200  # (a success closes the failed breaker's count again)
 
 
 def test_health_services_on_the_ext_proc_port(original_dst: tuple[SimGateway, GieEnvoy, list]) -> None:
