@@ -51,6 +51,7 @@ class Exchange(EnvoyStream):
         self._verdict = Verdict()
         self._gateway = epp.Gateway()  # what the proxy in front sends and allows
         self._flow: Flow | GatewayError = Flow()  # whose share it takes (flow control)
+        self._response_head: msg.Headers = {}  # the engine's response headers
         services.process.active_exchanges += 1
         services.process.live.add(self)
 
@@ -78,8 +79,8 @@ class Exchange(EnvoyStream):
         kind = message.WhichOneof("request")  # request_headers, request_body, ..., response_trailers
         untouched = self._gateway.read(message, self.record)  # (a gateway keeping the answer: its reply)
         if kind == "response_headers":  # who served: breakers, admission and native replays learn it
-            served = self._gateway.served
-            self._verdict = engine_verdict(routed(self._plan)[1], msg.header_map(message.response_headers), served)
+            self._response_head = head = msg.header_map(message.response_headers)
+            self._verdict = engine_verdict(routed(self._plan)[1], head, self._gateway.served)
         if untouched is not None:
             yield untouched
         elif kind is not None and hasattr(self, f"_on_{kind}"):
@@ -214,7 +215,7 @@ class Exchange(EnvoyStream):
         return [self._refuse(GatewayError(out.status, error.message, body=out.body))]
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
-        headers = msg.header_map(message)
+        headers = self._response_head  # (read once, in on_message)
         status, content_type = int(headers.get(":status", "502")), headers.get("content-type", "")
         self.record.answered(status)  # unless the handler answers another
         cap, derender = self._s.config.processor.max_response_bytes, self._s.derender

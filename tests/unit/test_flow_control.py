@@ -107,6 +107,15 @@ def _control(budget: Budget, timeout_s: float = 5.0, saturated: bool = False, **
     return FlowControl(config, lambda: saturated, budget.given_back.append)
 
 
+def _sharing(budget: Budget, tokens: int) -> FlowControl:
+    """Flow control holding each active flow to its share of a `tokens` budget; a plan's
+    lease is its name (Local(200, name))."""
+    config = AdmissionConfig(queue_timeout_s=5, flow_active_s=5)
+    return FlowControl(
+        config, lambda: False, budget.given_back.append, budget=lambda: tokens, lease=lambda plan: plan.body.decode()
+    )
+
+
 async def test_off_a_request_that_does_not_fit_is_refused_at_once() -> None:
     budget = Budget(10)
     control = _control(budget, timeout_s=0)
@@ -203,13 +212,7 @@ async def test_saturated_engines_queue_requests_the_budget_would_take() -> None:
 
 async def test_a_flood_holds_at_most_its_share_while_another_flow_is_active() -> None:
     budget = Budget(100)
-    control = FlowControl(
-        AdmissionConfig(queue_timeout_s=5, flow_active_s=5),
-        lambda: False,
-        budget.given_back.append,
-        budget=lambda: 100,
-        lease=lambda plan: plan.body.decode(),  # (Local(200, name): the name is its lease)
-    )
+    control = _sharing(budget, 100)
     await control.admitted(Flow("quiet"), 20, budget.place("q0", 20))
     budget.left += 20
     control.released("q0")  # quiet is idle now, but was seen: still active
@@ -236,13 +239,7 @@ def test_a_flood_cannot_fill_the_queue_against_another_flow() -> None:
 
 async def test_a_lower_band_leaves_room_for_an_active_higher_one() -> None:
     budget = Budget(200)
-    control = FlowControl(
-        AdmissionConfig(queue_timeout_s=5, flow_active_s=5),
-        lambda: False,
-        budget.given_back.append,
-        budget=lambda: 200,
-        lease=lambda plan: plan.body.decode(),
-    )
+    control = _sharing(budget, 200)
     await control.admitted(Flow("hi", priority=10), 80, budget.place("h0", 80))
     budget.left += 80
     control.released("h0")  # hi is idle, and active
