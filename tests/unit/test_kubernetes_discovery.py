@@ -142,7 +142,8 @@ async def test_an_inference_pools_selector_and_every_target_port_make_the_member
             sim.put_inference_pool("pool", {"app": "next"}, [8002])  # a new selector moves the membership
             await published(publications, at("10.0.0.2", ports=(8002,)))
             assert sim.lists_served["pods"] == 2
-            assert sim.last_watch["pods"]["labelSelector"] == "app=next"
+            # The new watch opens after the relist is published: wait for it, not race it.
+            await wait_until(lambda: sim.last_watch["pods"]["labelSelector"] == "app=next", lambda: sim.last_watch)
             sim.add_pod("c", "10.0.0.3", APP)  # the old selector's pods no longer count
             sim.add_pod("d", "10.0.0.4", {"app": "next"})
             await published(publications, at("10.0.0.2", "10.0.0.4", ports=(8002,)))
