@@ -1,5 +1,6 @@
 """The processor's admin port: `/health` (the process lives), `/ready` (it can serve: Envoy's
 health check of the processor and Kubernetes' readiness probe), `/debug/state` (JSON),
+`/debug/stages` (CPU per request stage, with `processor.profile_stages` on),
 `/metrics` (Prometheus text, `observability/metrics.py`), and `POST /v1/metaserver` (Trigger
 callbacks from decode engines: `legs/trigger.py`).
 
@@ -185,6 +186,8 @@ async def _handle(services: Services, reader: asyncio.StreamReader, writer: asyn
             response = _respond(_STATUS[200 if ready else 503], "application/json", orjson.dumps(answer))
         elif path == "/debug/state":
             response = _respond("200 OK", "application/json", orjson.dumps(state(services)))
+        elif path == "/debug/stages" and (stages := services.observability.stages) is not None:
+            response = _respond("200 OK", "application/json", orjson.dumps(stages.totals()))
         elif path == "/metrics":
             response = _respond("200 OK", CONTENT_TYPE_LATEST, services.observability.metrics.exposition())
         else:

@@ -123,6 +123,9 @@ class ProcessorConfig(Section):
     # uvloop (what vLLM's API server runs on): the gRPC handling of each ext_proc message costs
     # about a quarter less CPU than on asyncio's own loop (`tests/bench/grpc_bench.py`).
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    # Event-loop CPU per request stage at /debug/stages (`tests/bench/start_profile.py`):
+    # every step of every task costs two more clock reads, so off unless profiling.
+    profile_stages: bool = False
 
     @model_validator(mode="after")
     def _worker_ports_disjoint(self) -> ProcessorConfig:

@@ -34,7 +34,8 @@ from ext_proc.health import add_health
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import build_codec
-from ext_proc.observability.request import Observability
+from ext_proc.observability.request import Observability, clock
+from ext_proc.observability.stage_cpu import StageProfile, install
 from ext_proc.observability.tracing import tracer_from_environment
 from ext_proc.planning.planner import Planner
 from ext_proc.services import ProcessState, Services
@@ -80,6 +81,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         try:
             while (reply := await exchange.outbox.get()) is not None:
                 yield reply
+                exchange.record.replied()
                 exchange.outbox.task_done()  # gRPC took it (`EnvoyStream.send` waits for this)
         except asyncio.CancelledError:
             # The client went away (Envoy reset the stream): a normal end.
@@ -122,7 +124,7 @@ def _pool(config: PoolConfig) -> Pool:
     return Pool(config.name, role, tuple(instance(i) for i in config.instances), config.block_size)
 
 
-async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> RenderPool | None:
+async def build_render_pool(config: TitoConfig) -> RenderPool | None:
     """The configured render (None: disabled): a client per render endpoint, or vLLM's
     renderer loaded into this process now (seconds), never on a request."""
     render = config.render_config
@@ -140,7 +142,7 @@ async def build_render_pool(config: TitoConfig, http: httpx.AsyncClient) -> Rend
         members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
         members = [
-            pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms, http), cooldown)
+            pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms), cooldown)
             for e in render.pool()
         ]
     return RenderPool(members, config.model.served_name, render.p99_budget_ms)
@@ -159,7 +161,7 @@ async def build_gateway(
     the process's HTTP client, byte budget, observability and counters."""
     first: Services | None = None
     for base in config.bases():
-        services = build_services(base, http, streams, await build_render_pool(base, http), observability, first)
+        services = build_services(base, http, streams, await build_render_pool(base), observability, first)
         first = first or services
     assert first is not None
     return first
@@ -192,7 +194,8 @@ def build_services(
         observability = first.observability
     elif observability is None:
         collector = config.tracing.collector
-        observability = Observability(tracer=tracer_from_environment(collector.url if collector is not None else None))
+        tracer = tracer_from_environment(collector.url if collector is not None else None)
+        observability = Observability(tracer=tracer, stages=StageProfile() if config.processor.profile_stages else None)
     membership = Membership(config, scheduler, capabilities, instance_work(config, scheduler, http))
     planner.on_breaker = observability.breaker_changed
     planner.flow.on_outcome = observability.metrics.flow_outcome
@@ -309,6 +312,8 @@ async def serve(
     http, streams = http_client(config)
     async with http:
         services = await build_gateway(config, http, streams, observability)
+        if services.observability.stages is not None:  # every task from here on is timed
+            install(asyncio.get_running_loop(), clock)
         # Everything loaded so far (vLLM, torch, tokenizers: millions of objects) lives as long
         # as the process: out of the collector's reach, a full collection no longer stalls
         # every stream for up to a second (measured by the loop-lag monitor).

@@ -27,7 +27,7 @@ from ext_proc.legs.prefill import prefilled
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.obfuscation import TokenCodec
-from ext_proc.observability.request import Observability, current
+from ext_proc.observability.request import Observability, current, mark
 from ext_proc.planning.plan import Local, Plan, TokenOnly
 from ext_proc.planning.planner import Planner
 from ext_proc.planning.refusals import token_only_required
@@ -125,6 +125,7 @@ class Services:
             FLOW.reset(flow_token)
 
     async def _plan(self, handler: str, content_type: str | None, raw: bytes, request_id: str) -> tuple[Services, Plan]:
+        mark("parse")
         try:
             body = await parse_body(content_type, raw)  # native's refusals before any route
         except GatewayError as error:

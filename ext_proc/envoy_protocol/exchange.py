@@ -61,6 +61,7 @@ class Exchange(EnvoyStream):
 
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
+        self.record.mark("records")
         routed_lease = routed(self._plan)[0]
         self._s.triggers.forget(routed_lease or "")
         self.record.leg_done(routed_lease or "", self._verdict.served_by, self._verdict.failed)
@@ -77,6 +78,7 @@ class Exchange(EnvoyStream):
 
     async def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")  # request_headers, request_body, ..., response_trailers
+        self.record.envoy_message(kind)
         untouched = self._gateway.read(message, self.record)  # (a gateway keeping the answer: its reply)
         if kind == "response_headers":  # who served: breakers, admission and native replays learn it
             self._response_head = head = msg.header_map(message.response_headers)
@@ -165,6 +167,7 @@ class Exchange(EnvoyStream):
             self._plan = plan = await self._s.routable(plan, self.spawn)
             self._leases += [lease for lease in lease_ids(plan) if lease not in self._leases]
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
+        self.record.mark("generate body")
         if isinstance(plan, Owned):
             self._owned = OwnedAnswer(self, self._s, plan, self.record)
             async for reply in self._owned.replies():

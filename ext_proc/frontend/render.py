@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import httpx
 import orjson
 
 from ext_proc.errors import GatewayError, normalize_error_body
+from ext_proc.frontend.render_http import HttpFailure, RenderHttp
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 
 UNSUPPORTED_STATUSES = frozenset({404, 405, 415, 501})
@@ -44,14 +44,17 @@ class Renderer(Protocol):
         route answers; `RenderUnavailable` when the endpoint cannot be reached."""
         ...
 
+    def close(self) -> None:
+        """What it holds open (kept-alive connections) goes."""
+        ...
+
 
 class RenderClient:
     """One render endpoint over HTTP (the pool, `render_pool.py`, balances several)."""
 
-    def __init__(self, url: str, timeout_ms: int, http: httpx.AsyncClient) -> None:
-        self._base = url
+    def __init__(self, url: str, timeout_ms: int) -> None:
         self._timeout = timeout_ms / 1000
-        self._http = http
+        self._http = RenderHttp(url)
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         """`raw`: the client's body as it came (render validates it like vLLM serving)."""
@@ -59,17 +62,14 @@ class RenderClient:
 
     async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
         try:
-            response = await self._http.post(
-                self._base + path,
-                content=raw,
-                headers={"content-type": "application/json", "x-request-id": request_id},
-                timeout=self._timeout,
-            )
-        except httpx.TimeoutException as exc:
+            return await self._http.post(path, raw, request_id, self._timeout)
+        except TimeoutError as exc:
             raise RenderUnavailable("timeout", repr(exc)) from exc
-        except httpx.HTTPError as exc:
+        except (HttpFailure, OSError) as exc:
             raise RenderUnavailable("unavailable", repr(exc)) from exc
-        return response.status_code, response.content
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedRequest:

@@ -119,6 +119,9 @@ class InProcessRender:
         # parsing that JSON (0.2 ms per request)
         return tokenized(request, _dumped(answer, mode="json"))
 
+    def close(self) -> None:
+        """Nothing held open: the renderer lives as long as the process."""
+
     async def answer(self, path: str, raw: bytes, request_id: str) -> tuple[int, bytes]:
         """(status, body) as the sidecar's route `path` would answer."""
         from fastapi.responses import JSONResponse

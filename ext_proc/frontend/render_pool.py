@@ -232,12 +232,20 @@ class RenderPool:
     # -- health: the way back in
 
     async def run(self, interval_s: float = 0.5) -> None:
-        """Probe every member whose cool-down has ended with a tiny real render."""
-        while True:
-            now = self._clock()
-            due = [m for m in self.members if m.breaker.state is BreakerState.OPEN and not m.breaker.is_open(now)]
-            await asyncio.gather(*(self.probe(m) for m in due))
-            await asyncio.sleep(interval_s)
+        """Probe every member whose cool-down has ended with a tiny real render; for the
+        pool's life (its members' connections close when it ends)."""
+        try:
+            while True:
+                now = self._clock()
+                due = [m for m in self.members if m.breaker.state is BreakerState.OPEN and not m.breaker.is_open(now)]
+                await asyncio.gather(*(self.probe(m) for m in due))
+                await asyncio.sleep(interval_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for member in self.members:
+            member.renderer.close()
 
     async def probe(self, member: RenderMember) -> bool:
         """One tiny completion rendered on `member`: its breaker closes on success, and opens

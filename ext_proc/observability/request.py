@@ -18,12 +18,19 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from ext_proc.observability import tracing
 from ext_proc.observability.metrics import ChunkCounts, Metrics
+from ext_proc.observability.stage_cpu import StageClock, StageProfile
 from ext_proc.observability.stage_log import stage
 
 _clock = time.perf_counter
 # One derendered chunk in this many is timed (the first included): two clock reads per chunk
 # cost 2-3% of an in-process derender step (`tests/bench/derender_bench.py`).
 CHUNK_SAMPLE = 8
+# The stage profile's stage each of Envoy's messages starts (response bodies: first or later chunks).
+MESSAGE_STAGES = {
+    "request_headers": "request headers",
+    "request_body": "request body",
+    "response_headers": "response headers",
+}
 _CURRENT: ContextVar[RequestRecord | None] = ContextVar("tito_request", default=None)
 
 
@@ -31,12 +38,27 @@ def current() -> RequestRecord | None:
     return _CURRENT.get()
 
 
+def clock() -> StageClock | None:
+    """The current request's stage clock (stage profiling off, or no request: None)."""
+    record = _CURRENT.get()
+    return record.clock if record is not None else None
+
+
+def mark(stage: str) -> None:
+    """The current request enters `stage` (`stage_cpu.STAGES`), for the stage profile."""
+    if (record := _CURRENT.get()) is not None:
+        record.mark(stage)
+
+
 class Observability:
     """Process-wide: the metrics registry and the tracer (None: tracing off)."""
 
-    def __init__(self, metrics: Metrics | None = None, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self, metrics: Metrics | None = None, tracer: Tracer | None = None, stages: StageProfile | None = None
+    ) -> None:
         self.metrics = metrics or Metrics()
         self.tracer = tracer
+        self.stages = stages  # CPU per request stage (`processor.profile_stages`; off: None)
 
     def begin(self, request_id: str) -> RequestRecord:
         """A new request's record, current in this context and the tasks it starts."""
@@ -75,6 +97,28 @@ class RequestRecord:
         self._legs: dict[str, Span] = {}
         self.complete = False  # the client got the end of its response
         self._finished = False
+        self.clock = StageClock("stream open") if observability.stages is not None else None
+
+    def mark(self, stage: str) -> None:
+        """The request enters `stage` (`stage_cpu.STAGES`), for the stage profile."""
+        if self.clock is not None:
+            self.clock.mark(stage)
+
+    def envoy_message(self, kind: str | None) -> None:
+        """Envoy's next message for the request arrived: its stage, for the stage profile."""
+        if self.clock is None:
+            return
+        self.clock.messages += 1
+        if kind == "response_body":
+            first = self.clock.stage != "first chunk" and "first chunk" not in self.clock.spent
+            self.clock.mark("first chunk" if first else "later chunks")
+        else:
+            self.clock.mark(MESSAGE_STAGES.get(kind or "", "end"))
+
+    def replied(self) -> None:
+        """A reply went to Envoy (counted for the stage profile)."""
+        if self.clock is not None:
+            self.clock.replies += 1
 
     def _ns(self, at: float) -> int:
         return self._start_ns + int((at - self._start) * 1e9)
@@ -216,6 +260,8 @@ class RequestRecord:
         if self._finished:
             return
         self._finished = True
+        if self.clock is not None and self._o.stages is not None:
+            self._o.stages.finished(self.clock)
         ended = time.perf_counter()
         metrics, api = self._o.metrics, self.api
         if cancelled:

@@ -25,7 +25,7 @@ from ext_proc.config import TitoConfig
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.model_catalog import ModelCatalog, not_found
 from ext_proc.frontend.tokenization import TokenizationService
-from ext_proc.observability.request import current
+from ext_proc.observability.request import current, mark
 from ext_proc.planning.bodies import with_adapter
 from ext_proc.planning.budget import PREFILL_MAX_TOKENS, leg_max_tokens
 from ext_proc.planning.flow_control import FlowControl
@@ -139,12 +139,14 @@ class Planner:
             refuse_what_the_sidecar_cannot_derender(request)
         self._resolved(request)
         self._check_adapter(request.adapter)
+        mark("render")
         return with_adapter(await self._tokenization.tokenize(request, self._as_base(request, raw), request_id))
 
     async def placed(self, tokenized: TokenizedRequest, raw: bytes) -> Plan:
         """A rendered request admitted and placed (`raw`: its body, for a native leg); what
         cannot be placed is answered locally and takes nothing."""
         record, started = current(), time.perf_counter()
+        mark("plan")
         tokenized = _scoped(tokenized)
         try:
             plan = await self._admitted(tokenized, raw)

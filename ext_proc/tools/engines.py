@@ -27,7 +27,7 @@ async def probe(config: TitoConfig) -> tuple[Capabilities, Membership]:
     now), decided."""
     http, _ = http_client(config)
     async with http:
-        tokenization = TokenizationService(await build_render_pool(config, http), LocalTokenizer(None))
+        tokenization = TokenizationService(await build_render_pool(config), LocalTokenizer(None))
         scheduler = build_scheduler(config, gated=True)
         capabilities = Capabilities(config, scheduler, tokenization, http)
         membership = Membership(config, scheduler, capabilities, lambda pool, instance: [])

@@ -115,7 +115,7 @@ def start_cost(stack: LocalStack, native: str, model: str, requests: int, block:
     request handling), which is what 8 requests arriving together queue behind."""
     spent: dict[str, dict[str, float]] = {"gateway": {}, "native": {}}
     urls = {"gateway": stack.base_url, "native": native}
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 1, "stream": True}
+    body = one_token_chat(model)
     with httpx.Client(timeout=60, trust_env=False) as client:
         for side in urls:  # warm-up: connections, caches
             _chat(client, urls[side], body)
@@ -152,6 +152,11 @@ def start_cost(stack: LocalStack, native: str, model: str, requests: int, block:
         else "  too few requests to measure (/proc counts CPU in clock ticks)"
     )
     return "\n".join(lines)
+
+
+def one_token_chat(model: str) -> dict[str, Any]:
+    """The start-up workload: a streaming chat answered with one token."""
+    return {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 1, "stream": True}
 
 
 def _chat(client: httpx.Client, url: str, body: dict[str, Any]) -> None:

@@ -107,8 +107,8 @@ async def drive(renderer: Renderer, bodies: list[bytes], concurrency: int) -> Ru
     return Run(len(bodies) / elapsed, 1000 * ordered[len(ordered) // 2], 1000 * ordered[int(0.99 * (len(ordered) - 1))])
 
 
-def pool_of(endpoints: list[RenderEndpoint], http: httpx.AsyncClient, model: str) -> RenderPool:
-    members = [pool_member(e.address, e.url, RenderClient(e.url, 30_000, http), 5.0) for e in endpoints]
+def pool_of(endpoints: list[RenderEndpoint], model: str) -> RenderPool:
+    members = [pool_member(e.address, e.url, RenderClient(e.url, 30_000), 5.0) for e in endpoints]
     return RenderPool(members, model, 1e9)
 
 
@@ -135,7 +135,7 @@ async def sidecar(model: ModelConfig, options: argparse.Namespace, work: Path) -
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             await _ready(http, [e.url + "/health" for e in endpoints])
             bodies = workload(options.requests, model.served_name)
-            pools = {n: pool_of(endpoints[:n], http, model.served_name) for n in (1, 2)}
+            pools = {n: pool_of(endpoints[:n], model.served_name) for n in (1, 2)}
             await drive(pools[2], bodies[:32], options.concurrency)  # warm both
             runs: dict[int, list[Run]] = {1: [], 2: []}
             for n in [1, 2, 2, 1] * options.rounds:  # ABBA: drift weighs on both alike

@@ -35,6 +35,9 @@ class Scripted:
             raise RenderUnavailable(self.fail, "scripted")
         return TokenizedRequest(request, request_id, [PromptTokens([1, 2, 3])])
 
+    def close(self) -> None:
+        pass
+
 
 class Clock:
     def __init__(self) -> None:

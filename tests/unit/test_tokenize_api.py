@@ -7,7 +7,9 @@ is a 503 `render_unavailable`, and through the whole exchange nothing reaches an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -29,25 +31,54 @@ PROMPT = {"model": "tiny", "prompt": "hello"}
 
 
 class Sidecars:
-    """Render endpoints over HTTP, scripted per host: (status, body) or an exception."""
+    """Render endpoints: real HTTP servers on loopback, scripted per name: (status, body), or
+    the connection dropped once the request is read."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, bytes, str | None]] = []  # host, path, body, x-request-id
-        self.answers: dict[str, Callable[[], httpx.Response]] = {}
+        self.calls: list[tuple[str, str, bytes, str | None]] = []  # name, path, body, x-request-id
+        self.answers: dict[str, tuple[int, bytes] | None] = {}
+        self._servers: dict[str, asyncio.Server] = {}
 
-    def answer(self, host: str, status: int, body: bytes) -> None:
-        self.answers[host] = lambda: httpx.Response(status, content=body)
+    def answer(self, name: str, status: int, body: bytes) -> None:
+        self.answers[name] = (status, body)
 
-    def fail(self, host: str) -> None:
-        def refuse() -> httpx.Response:
-            raise httpx.ConnectError("connection refused")
+    def fail(self, name: str) -> None:
+        self.answers[name] = None
 
-        self.answers[host] = refuse
+    async def url(self, name: str) -> str:
+        if name not in self._servers:
+            self._servers[name] = await asyncio.start_server(partial(self._serve, name), "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._servers[name].sockets[0].getsockname()[1]}"
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        host = str(request.url.host)
-        self.calls.append((host, request.url.path, request.content, request.headers.get("x-request-id")))
-        return self.answers[host]()
+    async def _serve(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                fields = [line.partition(":") for line in lines[1:] if line]
+                headers = {key.strip().lower(): value.strip() for key, _, value in fields}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                self.calls.append((name, lines[0].split(" ")[1], body, headers.get("x-request-id")))
+                if (answer := self.answers[name]) is None:
+                    return
+                status, content = answer
+                head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                writer.write(head % (status, len(content)) + content)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+
+
+@pytest.fixture
+def sidecars() -> Iterator[Sidecars]:
+    fake = Sidecars()
+    yield fake
+    fake.close()
 
 
 class FakeInProcess(InProcessRender):
@@ -63,11 +94,10 @@ class FakeInProcess(InProcessRender):
         return self.answered
 
 
-def _pool(sidecars: Sidecars, *hosts: str, clock: Callable[[], float] = lambda: 0.0) -> RenderPool:
+async def _pool(sidecars: Sidecars, *names: str, clock: Callable[[], float] = lambda: 0.0) -> RenderPool:
     """The render pool's sidecar endpoints, as the server builds them, over `sidecars`."""
-    http = httpx.AsyncClient(transport=httpx.MockTransport(sidecars.handle))
-    urls = [f"http://{h}:8100" for h in hosts]
-    members = [pool_member(url.removeprefix("http://"), url, RenderClient(url, 5000, http), 5.0) for url in urls]
+    urls = [await sidecars.url(name) for name in names]
+    members = [pool_member(url.removeprefix("http://"), url, RenderClient(url, 5000), 5.0) for url in urls]
     return RenderPool(members, "tiny", p99_budget_ms=1000.0, clock=clock)
 
 
@@ -104,11 +134,10 @@ def _error(plan: Local) -> dict[str, Any]:
     ],
 )
 async def test_renders_status_and_body_come_back_unchanged_from_its_route(
-    handler: str, body: dict[str, Any], status: int, answer: bytes
+    sidecars: Sidecars, handler: str, body: dict[str, Any], status: int, answer: bytes
 ) -> None:
-    sidecars = Sidecars()
     sidecars.answer("r1", status, answer)
-    pool = _pool(sidecars, "r1")
+    pool = await _pool(sidecars, "r1")
     plan = await _plan(_api(pool), handler, body)
     assert plan == Local(status, answer)
     assert sidecars.calls == [("r1", f"/{handler}", orjson.dumps(body), "rid-1")]
@@ -124,39 +153,37 @@ async def test_renders_status_and_body_come_back_unchanged_from_its_route(
         ({"model": "tiny", "prompt": "hi"}, None),
     ],
 )
-async def test_render_gets_the_body_named_after_the_base_model(body: dict[str, Any], sent: Any) -> None:
-    sidecars = Sidecars()
+async def test_render_gets_the_body_named_after_the_base_model(
+    sidecars: Sidecars, body: dict[str, Any], sent: Any
+) -> None:
     sidecars.answer("r1", 200, TOKENS)
     raw = orjson.dumps(body, option=orjson.OPT_INDENT_2)  # the client's own bytes
-    await _api(_pool(sidecars, "r1")).plan("tokenize", body, raw, "rid-1")
+    await _api(await _pool(sidecars, "r1")).plan("tokenize", body, raw, "rid-1")
     [(_, _, content, _)] = sidecars.calls
     assert content == raw if sent is None else orjson.loads(content) == sent
 
 
-async def test_without_render_it_is_a_503_render_unavailable() -> None:
-    sidecars = Sidecars()
+async def test_without_render_it_is_a_503_render_unavailable(sidecars: Sidecars) -> None:
     plan = await _plan(_api(None), "tokenize", PROMPT)
     assert plan.status == 503
     assert _error(plan)["code"] == "render_unavailable" and "disabled" in _error(plan)["message"]
     assert sidecars.calls == []
 
 
-async def test_a_failing_endpoint_opens_its_breaker_and_another_one_answers() -> None:
-    sidecars = Sidecars()
+async def test_a_failing_endpoint_opens_its_breaker_and_another_one_answers(sidecars: Sidecars) -> None:
     sidecars.answer("r1", 500, b'{"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}')
     sidecars.answer("r2", 200, TOKENS)
-    pool = _pool(sidecars, "r1", "r2")
+    pool = await _pool(sidecars, "r1", "r2")
     plan = await _plan(_api(pool), "tokenize", PROMPT)
     assert plan == Local(200, TOKENS)
     assert [host for host, *_ in sidecars.calls] == ["r1", "r2"]
     assert (_breaker(pool, 0), _breaker(pool, 1)) == (BreakerState.OPEN, BreakerState.CLOSED)
 
 
-async def test_when_no_endpoint_answers_it_is_a_503_and_open_breakers_are_skipped() -> None:
-    sidecars = Sidecars()
+async def test_when_no_endpoint_answers_it_is_a_503_and_open_breakers_are_skipped(sidecars: Sidecars) -> None:
     sidecars.fail("r1")
     sidecars.fail("r2")
-    pool = _pool(sidecars, "r1", "r2")
+    pool = await _pool(sidecars, "r1", "r2")
     api = _api(pool)
     plan = await _plan(api, "detokenize", {"model": "tiny", "tokens": [1]})
     assert plan.status == 503 and _error(plan)["code"] == "render_unavailable"
@@ -165,23 +192,21 @@ async def test_when_no_endpoint_answers_it_is_a_503_and_open_breakers_are_skippe
     assert again.status == 503 and len(sidecars.calls) == 2  # both cooling down: nothing tried
 
 
-async def test_an_endpoint_without_the_route_is_a_503_asked_once() -> None:
+async def test_an_endpoint_without_the_route_is_a_503_asked_once(sidecars: Sidecars) -> None:
     """An older render server (404 without an OpenAI error): the same on every endpoint of a
     base model, so not asked twice (as a render it does not serve)."""
-    sidecars = Sidecars()
     sidecars.answer("r1", 404, b'{"detail":"Not Found"}')
     sidecars.answer("r2", 404, b'{"detail":"Not Found"}')
-    pool = _pool(sidecars, "r1", "r2")
+    pool = await _pool(sidecars, "r1", "r2")
     plan = await _plan(_api(pool), "tokenize", PROMPT)
     assert plan.status == 503 and _error(plan)["code"] == "render_unavailable"
     assert len(sidecars.calls) == 1
 
 
-async def test_after_its_cool_down_an_endpoint_is_probed_and_rejoins_on_an_answer() -> None:
+async def test_after_its_cool_down_an_endpoint_is_probed_and_rejoins_on_an_answer(sidecars: Sidecars) -> None:
     now = [0.0]
-    sidecars = Sidecars()
     sidecars.fail("r1")
-    pool = _pool(sidecars, "r1", clock=lambda: now[0])
+    pool = await _pool(sidecars, "r1", clock=lambda: now[0])
     api = _api(pool)
     assert (await _plan(api, "tokenize", PROMPT)).status == 503
     sidecars.answer("r1", 200, TOKENS)
@@ -190,10 +215,9 @@ async def test_after_its_cool_down_an_endpoint_is_probed_and_rejoins_on_an_answe
     assert _breaker(pool, 0) is BreakerState.CLOSED
 
 
-async def test_render_in_process_answers_through_vllms_tokenize_routes() -> None:
+async def test_render_in_process_answers_through_vllms_tokenize_routes(sidecars: Sidecars) -> None:
     renderer = FakeInProcess(200, TOKENS)
     pool = RenderPool([pool_member("in_process", None, renderer, 5.0)], "tiny", 1000.0)
-    sidecars = Sidecars()
     api = _api(pool)
     assert await _plan(api, "tokenize", {"model": "tiny-alias", "prompt": "hi"}) == Local(200, TOKENS)
     assert renderer.asked == [("/tokenize", orjson.dumps({"model": "tiny", "prompt": "hi"}))]
