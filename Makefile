@@ -14,4 +14,4 @@ up: $(INSTALLED)
 	$(VENV)/bin/tito up
 
 test: $(INSTALLED)
-	$(VENV)/bin/python -m pytest -ra tests
+	$(VENV)/bin/python -m pytest -ra --durations=25 tests

@@ -141,8 +141,9 @@ async def build_render_pool(config: TitoConfig) -> RenderPool | None:
             renderer.serve(path, route)
         members = [pool_member("in_process", None, renderer, cooldown, renderer.prefix_cache)]
     else:
+        connections = config.processor.http_max_connections
         members = [
-            pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms), cooldown)
+            pool_member(e.address, e.url, RenderClient(e.url, e.timeout_ms or render.timeout_ms, connections), cooldown)
             for e in render.pool()
         ]
     return RenderPool(members, config.model.served_name, render.p99_budget_ms)

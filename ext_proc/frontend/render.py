@@ -52,9 +52,9 @@ class Renderer(Protocol):
 class RenderClient:
     """One render endpoint over HTTP (the pool, `render_pool.py`, balances several)."""
 
-    def __init__(self, url: str, timeout_ms: int) -> None:
+    def __init__(self, url: str, timeout_ms: int, max_connections: int = 256) -> None:
         self._timeout = timeout_ms / 1000
-        self._http = RenderHttp(url)
+        self._http = RenderHttp(url, max_connections)
 
     async def render(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
         """`raw`: the client's body as it came (render validates it like vLLM serving)."""

@@ -145,15 +145,17 @@ def _dechunked(buffer: bytearray, at: int) -> bytes | None:
 
 
 class RenderHttp:
-    """One endpoint's connections (`url`: http://host:port)."""
+    """One endpoint's connections (`url`: http://host:port), at most `max_connections` at
+    once (more requests wait for one, as httpx's pool made them)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_connections: int = 256) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or parts.hostname is None:
             raise ValueError(f"render endpoints are plain http://host:port, not {url!r}")
         self._host, self._port = parts.hostname, parts.port or 80
         self._authority = parts.netloc.encode()
         self._idle: list[_Connection] = []
+        self._slots = asyncio.Semaphore(max_connections)
 
     async def post(self, path: str, body: bytes, request_id: str, timeout: float) -> tuple[int, bytes]:
         """(status, body) of a JSON POST; TimeoutError, or HttpFailure (or OSError) when the
@@ -162,7 +164,7 @@ class RenderHttp:
             b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nx-request-id: %s\r\n\r\n"
         ) % (path.encode(), self._authority, len(body), request_id.encode())
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(timeout), self._slots:
             while True:
                 kept = self._take()
                 connection = kept or await self._connect()

@@ -204,3 +204,11 @@ def test_under_uvloop_as_the_processor_runs() -> None:
             server.close()
 
     uvloop.run(scenario())
+
+
+async def test_requests_beyond_the_connection_cap_wait_for_one(serve: Callable[[Answer], Server]) -> None:
+    server = serve(lambda body: _sized(body))
+    client = RenderHttp(await server.start(), max_connections=1)
+    answers = await asyncio.gather(*(client.post("/r", b"%d" % n, "a", 5) for n in range(4)))
+    assert sorted(answers) == [(200, b"%d" % n) for n in range(4)]
+    assert server.connections == 1
