@@ -1,7 +1,8 @@
-"""The processor's one HTTP client (render, derender, native replays), counting open streams.
+"""The processor's HTTP client (derender sidecar, native replays, prefill legs, probes),
+counting open streams. (Render calls go on their own client: `frontend/render_http.py`.)
 
 A response counts as open from its headers until its body is closed, so `/debug/state` can
-prove that no request left an HTTP stream to render or an engine behind.
+prove that no request left an HTTP stream to an engine or the derender sidecar behind.
 """
 
 from __future__ import annotations
