@@ -4,8 +4,8 @@ Starts `tito up`'s stack on free ports (qwen3 + hermes parsers by default), then
 --concurrency runs vLLM's serving benchmark (`vllm.benchmarks.serve`, random dataset, 64 in /
 128 out by default, `ignore_eos`) against the engine's own OpenAI endpoint and against Envoy,
 interleaved ABBA over --rounds so drift of the machine weighs on both alike. Printed per
-concurrency: the median output throughput of each side and their ratio against the target of
-0.95, and the median TTFT of each side.
+concurrency: the median output throughput of each side and their ratio against its target
+(`TARGET_THROUGHPUT`), and the median TTFT of each side.
 
 Run: `python -m tests.bench.serve_bench [--concurrency 8 32] [--num-prompts 32] [--rounds 2]
 [--input-len 64] [--output-len 128] [--api completions|chat] [--no-parsers] [--render in_process]`.
@@ -28,7 +28,9 @@ from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.bench.gateway_bench import machine_summary, stack_config
 
-TARGET_THROUGHPUT = 0.95  # the gateway's output throughput over native's
+# The gateway's output throughput over native's, by concurrency (the per-request CPU issue's
+# targets; other concurrencies: the strictest).
+TARGET_THROUGHPUT = {8: 0.90, 32: 0.85}
 SIDES = ("native", "gateway")
 
 
@@ -44,10 +46,11 @@ class Runs:
         tput = {side: statistics.median(values) for side, values in self.throughput.items()}
         ttft = {side: statistics.median(values) for side, values in self.ttft_ms.items()}
         ratio = tput["gateway"] / tput["native"]
-        verdict = "meets" if ratio >= TARGET_THROUGHPUT else "misses"
+        target = TARGET_THROUGHPUT.get(self.concurrency, max(TARGET_THROUGHPUT.values()))
+        verdict = "meets" if ratio >= target else "misses"
         return (
             f"concurrency {self.concurrency:>3}: output {tput['gateway']:.0f} vs {tput['native']:.0f} tok/s "
-            f"(x{ratio:.2f}, {verdict} the target x{TARGET_THROUGHPUT}), median TTFT {ttft['gateway']:.0f} vs "
+            f"(x{ratio:.2f}, {verdict} the target x{target:.2f}), median TTFT {ttft['gateway']:.0f} vs "
             f"{ttft['native']:.0f} ms; runs gateway {_rounded(self.throughput['gateway'])}, "
             f"native {_rounded(self.throughput['native'])}"
         )
