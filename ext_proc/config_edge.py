@@ -7,6 +7,8 @@ describe the processes and sockets a request crosses before any engine is involv
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -20,13 +22,17 @@ class PublicRoute(Section):
     """One method + path the listener serves; every other request gets a 404 from Envoy
     and reaches nothing. `handler` says who answers: chat/completions are rendered and
     routed token-only, as are Anthropic Messages (`messages`: chat inside the gateway, as in
-    native vLLM; `messages_count_tokens`: render alone) and OpenAI Responses (`responses`: the
-    stateless subset, completions inside the gateway), `tokenize`/`detokenize` are answered by
+    native vLLM; `messages_count_tokens`: render alone) and OpenAI Responses (`responses`:
+    completions inside the gateway, stored in `conversation_store`; the stored responses are
+    answered by the processor:
+    `responses_retrieve`, `responses_delete`, `responses_input_items`, `responses_cancel`),
+    `tokenize`/`detokenize` are answered by
     render alone (opt-in: not in the default table), passthrough goes to an engine untouched
     (never breaker input), health and models (the model catalog's /v1/models) are answered by
-    the processor. Each rendered handler's client API is in `ext_proc/api/routes.py`."""
+    the processor. Each rendered handler's client API is in `ext_proc/api/routes.py`.
+    A path segment `{name}` matches any one segment (`/v1/responses/{response_id}`)."""
 
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     path: str
     handler: Literal[
         "chat",
@@ -34,12 +40,36 @@ class PublicRoute(Section):
         "messages",
         "messages_count_tokens",
         "responses",
+        "responses_retrieve",
+        "responses_delete",
+        "responses_input_items",
+        "responses_cancel",
         "passthrough",
         "health",
         "models",
         "tokenize",
         "detokenize",
     ]
+
+    @property
+    def pattern(self) -> str:
+        """The path as a regular expression (RE2 and Python alike, for Envoy's route and the
+        processor's): each `{name}` a named group of one segment."""
+        return re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(self.path))
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        """The path's `{name}` segments if this route takes the request, else None."""
+        if method != self.method:
+            return None
+        if "{" not in self.path:
+            return {} if path == self.path else None
+        found = _compiled(self.pattern).fullmatch(path)
+        return None if found is None else found.groupdict()
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
 
 
 DEFAULT_ROUTES = [
@@ -48,6 +78,10 @@ DEFAULT_ROUTES = [
     PublicRoute(method="POST", path="/v1/messages", handler="messages"),
     PublicRoute(method="POST", path="/v1/messages/count_tokens", handler="messages_count_tokens"),
     PublicRoute(method="POST", path="/v1/responses", handler="responses"),
+    PublicRoute(method="GET", path="/v1/responses/{response_id}", handler="responses_retrieve"),
+    PublicRoute(method="DELETE", path="/v1/responses/{response_id}", handler="responses_delete"),
+    PublicRoute(method="GET", path="/v1/responses/{response_id}/input_items", handler="responses_input_items"),
+    PublicRoute(method="POST", path="/v1/responses/{response_id}/cancel", handler="responses_cancel"),
     PublicRoute(method="GET", path="/v1/models", handler="models"),
     PublicRoute(method="GET", path="/health", handler="health"),
 ]
@@ -82,11 +116,16 @@ class ListenerConfig(Section):
         return self
 
     def handler(self, method: str, path: str) -> str | None:
-        """Who answers this request (query string ignored, as in Envoy's exact path match)."""
+        """Who answers this request (query string ignored, as in Envoy's path match)."""
+        found = self.route(method, path)
+        return None if found is None else found[0].handler
+
+    def route(self, method: str, path: str) -> tuple[PublicRoute, dict[str, str]] | None:
+        """The route that takes this request, and its path's `{name}` segments."""
         path = path.split("?", 1)[0]
         for route in self.routes:
-            if route.method == method and route.path == path:
-                return route.handler
+            if (params := route.match(method, path)) is not None:
+                return route, params
         return None
 
 

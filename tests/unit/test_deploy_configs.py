@@ -87,13 +87,22 @@ def test_bootstrap_has_the_measured_settings() -> None:
     assert hcm["request_headers_timeout"] == "10s"
     assert hcm["http_filters"][-1]["typed_config"]["suppress_envoy_headers"] is True
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    public = {(r["match"]["path"], r["match"]["headers"][0]["string_match"]["exact"]) for r in routes if "route" in r}
+    public = {
+        (r["match"].get("path") or r["match"]["safe_regex"]["regex"], r["match"]["headers"][0]["string_match"]["exact"])
+        for r in routes
+        if "route" in r
+    }
+    stored = "/v1/responses/(?P<response_id>[^/]+)"
     assert public == {
         ("/v1/chat/completions", "POST"),
         ("/v1/completions", "POST"),
         ("/v1/messages", "POST"),
         ("/v1/messages/count_tokens", "POST"),
         ("/v1/responses", "POST"),
+        (stored, "GET"),
+        (stored, "DELETE"),
+        (stored + "/input_items", "GET"),
+        (stored + "/cancel", "POST"),
         ("/v1/models", "GET"),
         ("/health", "GET"),
     }
@@ -746,8 +755,11 @@ def test_mesh_routes_the_rendered_paths_to_the_engine_service(tmp_path: Path) ->
     assert server["port"]["protocol"] == "HTTP" and server["hosts"]
     assert routes["spec"]["gateways"] == [gateway["metadata"]["name"]]
     (route,) = routes["spec"]["http"]
-    rendered = [r.path for r in config.listener.routes if r.handler not in ("passthrough", "health", "models")]
-    assert sorted(m["uri"]["exact"] for m in route["match"]) == sorted(rendered)
+    rendered = [r for r in config.listener.routes if r.handler not in ("passthrough", "health", "models")]
+    exact = sorted(r.path for r in rendered if "{" not in r.path)
+    assert sorted(m["uri"]["exact"] for m in route["match"] if "exact" in m["uri"]) == exact
+    templated = {r.pattern for r in rendered if "{" in r.path}  # (answered by the processor at the gateway)
+    assert {m["uri"]["regex"] for m in route["match"] if "regex" in m["uri"]} == templated
     engine = _object("Service", "vllm-engine")
     (port,) = [p for p in engine["spec"]["ports"] if p["name"] == "http"]
     # headless: at a gateway Istio's cluster for it is EDS of its Ready pods, the hosts an
