@@ -267,6 +267,26 @@ class LocalStackConfig(Section):
     replicas: int = Field(default=1, ge=0)
 
 
+class ConversationStoreConfig(Section):
+    """What the gateway keeps of answered turns (stored OpenAI Responses: `store`, the API's
+    default, then `previous_response_id`, retrieve, delete), where, and for how long."""
+
+    # `sqlite`: one host, every processor worker shares one file. `redis`: processor replicas
+    # on several hosts share it. `none`: nothing is kept, as native vLLM without its store
+    # (`store` silently off, every `previous_response_id` unknown).
+    backend: Literal["none", "sqlite", "redis"] = "sqlite"
+    # The SQLite file; every worker on the host opens the same one (a local disk: SQLite's
+    # WAL mode needs shared memory, which network filesystems do not give).
+    path: str = "/tmp/tito/conversations.sqlite3"
+    # The Redis of the `redis` backend (redis://[:password@]host:port/db).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # A stored response is gone this long after it was made (OpenAI keeps them 30 days).
+    ttl_s: float = Field(default=30 * 24 * 3600, gt=0)
+    # SQLite: over this many, the oldest go first, so the file stays bounded. Redis evicts by
+    # its own `maxmemory` policy instead.
+    max_entries: int = Field(default=100_000, ge=1)
+
+
 class BaseModelConfig(Section):
     """Another base model of the catalog (RFC 多模型路由): what the top-level `model`,
     `render_config`, `pools` and `obfuscation` are for the first one. Each base has its own
@@ -295,6 +315,7 @@ class TitoConfig(Section):
     capabilities: CapabilitiesConfig = CapabilitiesConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
+    conversation_store: ConversationStoreConfig = ConversationStoreConfig()
     local: LocalStackConfig = LocalStackConfig()
     models: list[BaseModelConfig] = Field(default_factory=list)  # more base models (the first is `model`)
 

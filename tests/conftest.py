@@ -35,6 +35,7 @@ from ext_proc.config_edge import ListenerConfig, ProcessorConfig
 from ext_proc.tools.local_stack import LocalStack
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer
+from tests.redis_server import RedisServer
 
 CI = os.environ.get("CI") == "true"
 READY_MARKER = "smoke request ->"
@@ -112,6 +113,7 @@ def gateway_config(
         "model": {"path": model_path},
         "pools": [{"name": "union", "role": "union", "instances": [e.model_dump() for e in engines]}],
         "local": {"cache_dir": str(cache_dir)},
+        "conversation_store": {"path": str(cache_dir / "conversations.sqlite3")},  # (each stack its own)
     }
     for key, value in sections.items():
         raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) and isinstance(value, dict) else value
@@ -205,6 +207,16 @@ def tito_up(work: Path, config: TitoConfig, env: dict[str, str] | None = None) -
     assert code == 0 and not still_open, f"tito up exit {code}, ports still open {still_open}:\n" + "\n".join(
         running.output[-20:]
     )
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own."""
+    if not RedisServer.available():
+        missing("redis-server")
+    server = RedisServer(tmp_path, free_port()).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,17 @@
-"""A real Redis for the token quota tests: redis-server on a free loopback port, nothing saved
-to disk, stopped and started again on the same port to play an outage."""
+"""A real Redis for the token quota and conversation store tests: redis-server on a free
+loopback port, nothing saved to disk, stopped and started again on the same port to play an
+outage (the `redis_server` fixture is in `tests/conftest.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol
 
 
 class RedisServer:
@@ -52,3 +56,17 @@ class RedisServer:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def closing(*closables: Closable) -> AsyncIterator[None]:
+    """Each of them closed at the end (their Redis clients, their SQLite threads)."""
+    try:
+        yield
+    finally:
+        for closable in closables:
+            await closable.close()

@@ -5,19 +5,16 @@ the quotas are called directly, on a fake clock that fixes the minute window."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from ext_proc.config_tenancy import TenancyConfig
 from ext_proc.tenancy.quota import QuotaUnavailable, TokenQuota
-from tests.conftest import free_port, missing
-from tests.redis_server import RedisServer
+from tests.conftest import free_port
+from tests.redis_server import RedisServer, closing
 
 WINDOW = 60 * 28_000_000  # a window's start
 START = WINDOW + 15.0  # 45 s left in the window
@@ -29,24 +26,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if not RedisServer.available():
-        missing("redis-server")
-    server = RedisServer(tmp_path, free_port()).start()
-    yield server
-    server.stop()
-
-
-@contextlib.asynccontextmanager
-async def closing(*quotas: TokenQuota) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        for quota in quotas:
-            await quota.close()
 
 
 def quota(url: str | None, fail_mode: str = "local", processes: int = 2, timeout_s: float = 0.25) -> TokenQuota:
