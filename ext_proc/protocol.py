@@ -93,6 +93,11 @@ class Conversion(Protocol):
         """An OpenAI error body in the client's API's envelope."""
         ...
 
+    async def finished(self) -> None:
+        """The client's answer is whole (its last bytes not yet sent): what must be done
+        before the client can act on it (a stored Responses turn is kept)."""
+        ...
+
 
 # Client fields that would let a client steer engines (P/D transfer, engine-side extra args,
 # scheduling priority, prefix-cache salting): the gateway owns them, engines never see a

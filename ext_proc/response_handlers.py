@@ -250,21 +250,28 @@ class ConvertedResponse:
 
     async def on_headers(self, status: int, content_type: str, end: bool) -> Outs:
         self._engine = (status, content_type)
-        async for out in self._inner.on_headers(status, content_type, end):
-            for converted in self._convert(out):
-                yield converted
+        async for converted in self._converted(self._inner.on_headers(status, content_type, end)):
+            yield converted
 
     async def on_body(self, data: bytes, end: bool) -> Outs:
-        async for out in self._inner.on_body(data, end):
-            for converted in self._convert(out):
-                yield converted
+        async for converted in self._converted(self._inner.on_body(data, end)):
+            yield converted
 
     async def on_trailers(self) -> Outs:
-        async for out in self._inner.on_trailers():
-            for converted in self._convert(out):
-                yield converted
+        async for converted in self._converted(self._inner.on_trailers()):
+            yield converted
         if self._head is not None:  # a whole answer the trailers end
-            for converted in self._whole(end=False):
+            whole = self._whole(end=False)
+            await self._conversion.finished()
+            for converted in whole:
+                yield converted
+
+    async def _converted(self, outs: Outs) -> Outs:
+        """The inner handler's outputs converted; the conversion finished before the last."""
+        async for out in outs:
+            for converted in self._convert(out):
+                if isinstance(converted, Chunk) and converted.end:
+                    await self._conversion.finished()
                 yield converted
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ import grpc
 import httpx
 
 from ext_proc.admin import start_admin, state
+from ext_proc.api.conversation_store import build_conversation_store
+from ext_proc.api.conversations import Conversations
 from ext_proc.api.routes import client_apis, render_routes
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
@@ -208,13 +210,16 @@ def build_services(
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
         planner.on_engine_failed = capabilities.engine_failed  # a dead engine leaves routing at once
     model = DerenderModel(config.model, answering_block_size(config))
+    conversations = (
+        first.conversations if first is not None else Conversations(build_conversation_store(config.conversation_store))
+    )
     services = Services(
         config=config,
         tokenization=tokenization,
         derender=build_derenderer(
             config, DerenderClient(render, http, config.model.served_name, config.model.has_parser), model, codec
         ),
-        apis=client_apis(planner, render_pool, config.model, model),
+        apis=client_apis(planner, render_pool, config.model, model, conversations),
         planner=planner,
         http=http,
         http_streams=streams,
@@ -225,6 +230,7 @@ def build_services(
         capabilities=capabilities,
         membership=membership,
         tenancy=first.tenancy if first is not None else Tenancy(config),
+        conversations=conversations,
         loop_lag=loop_lag,
         process=first.process if first is not None else ProcessState(),
     )
@@ -354,3 +360,4 @@ async def serve(
             await asyncio.gather(lag_monitor, *pollers, return_exceptions=True)
             if services.planner.quota is not None:
                 await services.planner.quota.close()
+            await services.conversations.close()

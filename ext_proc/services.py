@@ -5,6 +5,7 @@ for the whole process, the HTTP client, byte budget, observability and counters
 
 from __future__ import annotations
 
+import urllib.parse
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 
 from ext_proc.api.body import parse_body
+from ext_proc.api.conversations import Conversations
 from ext_proc.api.routes import ClientApi, client_apis
 from ext_proc.byte_budget import ByteBudget
 from ext_proc.config import TitoConfig
@@ -69,6 +71,8 @@ class Services:
     process: ProcessState = field(default_factory=ProcessState)
     # The route table: each handler's client API (empty: the APIs without a derender model)
     apis: dict[str, ClientApi] = field(default_factory=dict)
+    # What is kept of answered turns, to continue or retrieve them (the process's, every base's)
+    conversations: Conversations = field(default_factory=Conversations)
 
     def __post_init__(self) -> None:
         if not self.apis:
@@ -143,9 +147,23 @@ class Services:
         assert isinstance(plan, Local)
         return GatewayError(plan.status, "no request body", body=plan.body)
 
-    def answer(self, handler: str) -> bytes:
-        """What the processor answers itself: health, and /v1/models (every base's catalog)."""
-        return b'{"status":"ok"}' if handler == "health" else models_body([b.planner.catalog for b in self.bases])
+    def answers_itself(self, handler: str) -> bool:
+        """Answered by the processor from the request's headers alone: health, the model
+        catalog, kept conversations."""
+        return handler in ("health", "models") or self.conversations.answers(handler)
+
+    async def answer(self, handler: str, headers: Mapping[str, str], flow: Flow) -> tuple[int, bytes]:
+        """Such a request's status and JSON body (/v1/models: every base's catalog)."""
+        if handler == "health":
+            return 200, b'{"status":"ok"}'
+        if handler == "models":
+            return 200, models_body([b.planner.catalog for b in self.bases])
+        path = headers.get(":path", "")
+        found = self.config.listener.route(headers.get(":method", ""), path)
+        assert found is not None
+        params = {name: urllib.parse.unquote(value) for name, value in found[1].items()}
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        return await self.conversations.answer(handler, params, query, flow.tenant)
 
     @property
     def scheduler(self) -> Scheduler:

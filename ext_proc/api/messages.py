@@ -249,6 +249,9 @@ class MessagesConversion:
     def error(self, status: int, body: bytes) -> bytes:
         return anthropic_error(status, body)
 
+    async def finished(self) -> None:
+        pass  # nothing is kept of a Messages answer
+
 
 MESSAGES = MessagesConversion()
 

@@ -1,11 +1,13 @@
-"""OpenAI Responses (`/v1/responses`) requests: the stateless subset native vLLM serves
-without a response store (`VLLM_ENABLE_RESPONSES_API_STORE` unset, its default).
+"""OpenAI Responses (`/v1/responses`) requests, as native vLLM serves them: with a response
+store (`conversation_store`, on by default) as native with `VLLM_ENABLE_RESPONSES_API_STORE=1`,
+without one as native without it (the stateless subset).
 
 The body is parsed with vLLM's own `ResponsesRequest` (a body it refuses gets native's
-validation error), refused where native refuses it without a store, and named with the
-gateway's id; render (`/v1/responses/render`) then makes its prompt, the rendered request is
-served as a completions request, and the answer is made as native makes it
-(`responses_answer.py`).
+validation error), refused where native refuses it, and named with the gateway's id; a
+follow-up (`previous_response_id`) gets its stored conversation as input items
+(`responses_history.py`); render (`/v1/responses/render`) then makes its prompt, the rendered
+request is served as a completions request, and the answer is made as native makes it
+(`responses_answer.py`), then stored (`conversations.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import orjson
 from pydantic import ValidationError
 
 from ext_proc.api.body import validation_error
-from ext_proc.api.responses_answer import ResponsesServing
+from ext_proc.api.conversations import Conversations, native_error
+from ext_proc.api.responses_answer import ResponsesServing, Turn
+from ext_proc.api.responses_history import dumps, history_items, listed_items, turn_messages
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
 from ext_proc.frontend.render_in_process import RenderRoute
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
-from ext_proc.protocol import OpenAIRequest, Pipeline
+from ext_proc.protocol import FLOW, Flow, OpenAIRequest, Pipeline
 
 ENDPOINT = "/v1/responses"  # vLLM's: render serves ENDPOINT + "/render", engines ENDPOINT itself
 
@@ -32,6 +36,7 @@ NO_STORE = (
     "when launching the vLLM server."
 )
 BUILT_IN_TOOLS = "built-in tools ({}) are not served through the gateway: only function tools are"
+BACKGROUND = "background mode is not served by the gateway: ask without `background`"
 
 
 class ResponsesApi:
@@ -40,16 +45,17 @@ class ResponsesApi:
 
     handlers = ("responses",)
 
-    def __init__(self, planner: Planner, serving: ResponsesServing | None) -> None:
+    def __init__(self, planner: Planner, serving: ResponsesServing | None, stored: Conversations) -> None:
         self._planner = planner
         self._serving = serving
+        self._stored = stored
 
     def error(self, status: int, body: bytes) -> bytes:
         return body  # native's Responses errors are OpenAI's
 
     async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
         try:
-            client = await responses_request(raw, request_id)
+            client = await responses_request(raw, request_id, self._stored.enabled)
             if self._serving is None:
                 raise GatewayError(501, "the Responses API is not served by this gateway", code="unsupported")
             named = {**body, "request_id": client.request_id}  # render names its prompt with the gateway's id
@@ -57,17 +63,42 @@ class ResponsesApi:
                 raise GatewayError(
                     400, "'input' is a required property", param="input", code="missing_required_parameter"
                 )
+            turn = await self._turn(client, named)
             raw = orjson.dumps(named)
             request = OpenAIRequest(
                 Pipeline.COMPLETIONS, named, self._planner.catalog.resolve(named.get("model")), ENDPOINT
             )
             tokenized = await self._planner.rendered(request, raw, request_id)
             if tokenized.complete:  # (else its engine renders it: the native path, as it came)
-                tokenized = self._serving.inside(tokenized, client)
+                tokenized = self._serving.inside(tokenized, client, turn)
                 raw = orjson.dumps(tokenized.request.body)
         except GatewayError as error:
             return Local(error.status, error.body)
         return await self._planner.placed(tokenized, raw)
+
+    async def _turn(self, client: Any, named: dict[str, Any]) -> Turn | None:
+        """What is stored of this turn once answered (None: not stored); a follow-up's stored
+        conversation put into `named` as input items, for render's stateless route."""
+        tenant = (FLOW.get() or Flow()).tenant
+        previous_messages = previous_output = None
+        if client.previous_response_id is not None:
+            previous = await self._stored.previous(client.previous_response_id, tenant)
+            previous_messages = orjson.loads(previous.messages)
+            previous_output = _output_items(previous.response)
+        messages = turn_messages(client, previous_messages, previous_output)
+        if client.previous_response_id is not None:
+            named["input"] = history_items(messages, client.instructions, client.model)
+            del named["previous_response_id"]
+        if not client.store:
+            return None
+        return Turn(self._stored, tenant, dumps(messages), dumps(listed_items(client)))
+
+
+def _output_items(response: bytes) -> list[Any]:
+    """A stored answer's output as vLLM's output item objects (native reads its messages' text)."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
+
+    return list(ResponsesResponse.model_validate_json(response).output)
 
 
 def render_route() -> RenderRoute:
@@ -82,10 +113,12 @@ def render_route() -> RenderRoute:
     return RenderRoute(model, lambda serving, parsed, caller: serving.render_responses_request(parsed))
 
 
-async def responses_request(raw: bytes, request_id: str) -> Any:
+async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
     """vLLM's model of the request body, named `resp_<request id>`; a GatewayError with
-    native's status and body when native would refuse it. (Parsed from the bytes: vLLM's
-    model turns the input items of a dict it validates into objects, in place.)"""
+    native's status and body when native would refuse it (`store`: with the gateway's response
+    store, as native with its own; without: `store` silently off, as native without one).
+    (Parsed from the bytes: vLLM's model turns the input items of a dict it validates into
+    objects, in place.)"""
     require("the Responses API (vLLM's request model)", PROCESSOR, "vllm")
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
@@ -94,32 +127,24 @@ async def responses_request(raw: bytes, request_id: str) -> Any:
     except ValidationError as exc:
         raise GatewayError(400, "invalid request", body=await validation_error(exc)) from exc
     request.request_id = f"resp_{request_id}"
-    _refuse_stateful(request)
+    _refuse_unserved(request, store)
     built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
     if built_in:
         raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
-    request.store = False  # as native without a store: silently not stored
+    request.store = request.store and store
     return request
 
 
-def _refuse_stateful(request: Any) -> None:
-    """What needs a store, refused in native's order and words (`_validate_create_responses_input`,
-    then the lookup of the previous response in an empty store)."""
+def _refuse_unserved(request: Any, store: bool) -> None:
+    """What native refuses, in native's order and words (`_validate_create_responses_input`,
+    then, without a store, the lookup of the previous response in an empty store); and
+    background mode, which the gateway does not serve."""
+    if request.background and store:
+        raise native_error(400, BACKGROUND, "background")
     if request.store and request.background:
-        raise _native(400, NO_STORE, "background")
+        raise native_error(400, NO_STORE, "background")
     if request.previous_input_messages and request.previous_response_id:
         message = "Only one of `previous_input_messages` and `previous_response_id` can be set."
-        raise _native(400, message, "previous_response_id")
-    if request.previous_response_id is not None:
-        raise _native(404, f"Response with id '{request.previous_response_id}' not found.", "response_id")
-
-
-def _native(status: int, message: str, param: str) -> GatewayError:
-    """Native's `create_error_response(..., err_type="invalid_request_error")`, as its route sends it."""
-    from http import HTTPStatus
-
-    import orjson
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-    error = create_error_response(message, "invalid_request_error", HTTPStatus(status), param)
-    return GatewayError(status, message, body=orjson.dumps(error.model_dump(mode="json", by_alias=True)))
+        raise native_error(400, message, "previous_response_id")
+    if request.previous_response_id is not None and not store:
+        raise native_error(404, f"Response with id '{request.previous_response_id}' not found.", "response_id")

@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from ext_proc.api.conversations import Conversations, stored_turn
 from ext_proc.api.stepped import Stepped, run_coroutine
 from ext_proc.derender.logprobs import token_id_of
 from ext_proc.derender.model import DerenderModel, cached_tokens
@@ -99,12 +100,12 @@ class ResponsesServing:
             return_tokens_as_token_ids=False,
             tool_server=None,
             parser=model.parser_cls,
-            response_store={},
+            response_store=_Unkept(),  # (the gateway keeps stored answers itself: `Turn`)
             response_store_lock=asyncio.Lock(),
         )
         self.serving = serving
 
-    def inside(self, tokenized: TokenizedRequest, client: Any) -> TokenizedRequest:
+    def inside(self, tokenized: TokenizedRequest, client: Any, turn: Turn | None = None) -> TokenizedRequest:
         """A rendered Responses request as the completions request the gateway serves; the
         engine is asked for the usage at the end of a stream (its cached tokens)."""
         prompt = tokenized.prompts[0]
@@ -125,7 +126,7 @@ class ResponsesServing:
         if tokenized.stream:
             body.update(stream=True, stream_options={"include_usage": True})
         model_name = tokenized.request.response_model(self.model.served_name)
-        answer = ResponsesAnswer(self, client, prompt.token_ids, params, model_name)
+        answer = ResponsesAnswer(self, client, prompt.token_ids, params, model_name, turn)
         client_request = tokenized.request.kept()  # what an engine's own /v1/responses gets (native leg)
         request = OpenAIRequest(
             Pipeline.COMPLETIONS,
@@ -138,11 +139,36 @@ class ResponsesServing:
         return replace(tokenized, request=request)
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What is stored of a turn once it is answered (`store`): where, whose, the chat messages
+    the next turn starts from and the input items `input_items` lists (JSON)."""
+
+    stored: Conversations
+    tenant: str | None
+    messages: bytes
+    items: bytes
+
+
+class _Unkept(dict[str, Any]):
+    """vLLM's own response store, which its answer-making code writes when `store` is on: the
+    gateway keeps nothing here (it would grow forever), it stores the answer itself."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        pass
+
+
 class ResponsesAnswer:
     """One Responses request's answer from its completions answer (`protocol.Conversion`)."""
 
     def __init__(
-        self, serving: ResponsesServing, client: Any, prompt_ids: list[int], params: dict[str, Any], model_name: str
+        self,
+        serving: ResponsesServing,
+        client: Any,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        model_name: str,
+        turn: Turn | None = None,
     ) -> None:
         self._serving = serving
         self.client = client  # vLLM's ResponsesRequest
@@ -150,6 +176,15 @@ class ResponsesAnswer:
         self.sampling = SimpleNamespace(**{k: params.get(k, default) for k, default in _ECHOED.items()})
         self.model_name = model_name
         self._logprob_context: list[int] = []  # the last sampled ids, across steps (`LogprobDecoder`)
+        self._turn = turn
+        self.final: Any = None  # the whole answer (vLLM's ResponsesResponse), once made
+
+    async def finished(self) -> None:
+        """The answer is made: a stored turn is kept before its last byte reaches the client,
+        so a follow-up sent the moment it arrives finds it."""
+        if self._turn is not None and self.final is not None:
+            turn, self._turn = self._turn, None
+            await turn.stored.keep(stored_turn(self.final, turn.messages, turn.items, turn.tenant))
 
     def context(self) -> Any:
         """Native's `SimpleContext`, with the request's own parser primed with the prompt."""
@@ -252,6 +287,7 @@ class ResponsesAnswer:
             return error.status, error.body
         if isinstance(answer, ErrorResponse):
             return answer.error.code, orjson.dumps(answer.model_dump(mode="json", by_alias=True))
+        self.final = answer
         return 200, orjson.dumps(answer.model_dump(mode="json", by_alias=True))
 
     def error(self, status: int, body: bytes) -> bytes:
@@ -318,6 +354,9 @@ class ResponsesStream:
     def _frames(self, events: list[Any]) -> bytes:
         """As native's route frames them (`_convert_stream_to_sse_events`)."""
         self._sent += len(events)
+        for event in events:
+            if getattr(event, "type", None) == "response.completed":  # the whole answer, as stored
+                self._answer.final = event.response
         return "".join(
             f"event: {getattr(e, 'type', 'unknown')}\ndata: {e.model_dump_json(indent=None, by_alias=True)}\n\n"
             for e in events

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Protocol
 
+from ext_proc.api.conversations import Conversations
 from ext_proc.api.messages import MessagesApi
 from ext_proc.api.openai import OpenAIApi
 from ext_proc.api.responses import ENDPOINT, ResponsesApi, render_route
@@ -40,15 +41,20 @@ class ClientApi(Protocol):
 
 
 def client_apis(
-    planner: Planner, renderer: Renderer | None, model: ModelConfig, derender: DerenderModel | None = None
+    planner: Planner,
+    renderer: Renderer | None,
+    model: ModelConfig,
+    derender: DerenderModel | None = None,
+    stored: Conversations | None = None,
 ) -> dict[str, ClientApi]:
     """Each handler's API for one base model (`derender`: its answers' model; None: the APIs
-    that make their answers from it are not served)."""
+    that make their answers from it are not served; `stored`: the process's stored Responses,
+    None: none are kept)."""
     responses = None if derender is None else ResponsesServing(derender, model.max_model_len)
     apis: list[ClientApi] = [
         OpenAIApi(planner, model),
         MessagesApi(planner, renderer, model.served_name),
-        ResponsesApi(planner, responses),
+        ResponsesApi(planner, responses, stored or Conversations()),
         TokenizeApi(renderer, model.served_name),
     ]
     return {handler: api for api in apis for handler in api.handlers}

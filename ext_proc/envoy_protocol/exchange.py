@@ -101,9 +101,10 @@ class Exchange(EnvoyStream):
             yield self._refuse(GatewayError(404, "not found", code="not_found"))
         elif isinstance(self._flow, GatewayError):
             yield self._refuse(self._flow)
-        elif handler in ("health", "models"):
+        elif self._s.answers_itself(handler):  # (no body: Envoy stops reading it)
             self.mode = Mode.LOCAL
-            yield msg.immediate_response(200, self._s.answer(handler), self.record)
+            status, body = await self._s.answer(handler, headers, self._flow)
+            yield msg.immediate_response(status, body, self.record)
         elif handler == "passthrough" and (refused := self._s.planner.refuses_passthrough(headers)) is not None:
             yield self._refuse(refused)
         elif handler == "passthrough" or not self._gateway.streams_request:

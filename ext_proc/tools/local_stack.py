@@ -226,6 +226,9 @@ class LocalStack:
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.local.engine_kv_cache_gib),
             # `lora.on_missing: load`: the gateway loads adapters through vLLM's admin route
             **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.config.lora.on_missing == "load" else {}),
+            # the engines' own Responses route, the reference conformance compares with, stores
+            # as the gateway does (the gateway never sends engines a Responses request)
+            **({"VLLM_ENABLE_RESPONSES_API_STORE": "1"} if self.config.conversation_store.backend != "none" else {}),
         }
 
     def start_engine(self, name: str) -> None:

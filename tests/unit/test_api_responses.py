@@ -29,10 +29,12 @@ def serving(derender_model: Any) -> Any:
     return ResponsesServing(derender_model, 2048)
 
 
-def _client(body: dict[str, Any]) -> Any:
+def _client(body: dict[str, Any], store: bool = False) -> Any:
+    """vLLM's model of the request; `store`: with the gateway's response store (else as native
+    without one)."""
     from ext_proc.api.responses import responses_request
 
-    return asyncio.run(responses_request(orjson.dumps({"model": "tiny", "input": "hi", **body}), "t"))
+    return asyncio.run(responses_request(orjson.dumps({"model": "tiny", "input": "hi", **body}), "t", store))
 
 
 def _inside(serving: Any, client: Any, stream: bool, sampling: dict[str, Any] | None = None) -> TokenizedRequest:
@@ -184,6 +186,17 @@ def test_what_needs_a_store_or_a_tool_server_is_refused(
             "param": "response_id",
             "code": 404,
         }
+
+
+def test_with_a_store_only_background_is_refused_and_store_is_kept() -> None:
+    from ext_proc.api.responses import BACKGROUND
+
+    with pytest.raises(GatewayError) as refused:
+        _client({"background": True}, store=True)
+    assert refused.value.status == 400 and orjson.loads(refused.value.body)["error"]["message"] == BACKGROUND
+    assert _client({"previous_response_id": "resp_1"}, store=True).previous_response_id == "resp_1"
+    assert _client({}, store=True).store is True and _client({}, store=False).store is False
+    assert _client({"store": False}, store=True).store is False
 
 
 # Output logprobs: the completions request inside asks for token-id logprobs, and each step's

@@ -188,7 +188,7 @@ def _request(env: _Env, api: Api, params: dict[str, Any], stream: bool, k: int =
     tokenized = TokenizedRequest(request, "t", [PromptTokens.rendered(rendered)])
     from ext_proc.api.responses import responses_request
 
-    client = asyncio.run(responses_request(orjson.dumps(body), "t"))
+    client = asyncio.run(responses_request(orjson.dumps(body), "t", False))
     return env.responses.inside(tokenized, client)
 
 

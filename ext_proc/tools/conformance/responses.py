@@ -227,7 +227,6 @@ CASES: list[ResponsesCase] = in_both_modes(ResponsesCase, "responses", SPECS) + 
     ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (http_status(400),)),
     ResponsesCase("responses-error-too-long-stream", _ask("hi " * 5000, 4), (http_status(400),), stream=True),
     ResponsesCase("responses-error-previous", _ask("hi", 4, previous_response_id="resp_1"), (http_status(404),)),
-    ResponsesCase("responses-error-background", _ask("hi", 4, background=True), (http_status(400),)),
 ]
 
 
