@@ -1,7 +1,8 @@
 """Scale-out on real CPU vLLM engines (`tito up`: two engines publishing KV cache events, two
 processor workers behind Envoy): every worker's prefix index follows what the engines hold,
 whichever worker routed the traffic; a prefix-cache reset is forgotten within one event; a
-processor started after the traffic learns the same index through replay."""
+processor started after the traffic learns the same index through replay; a stored Responses
+conversation continues on the engine that cached it, whichever worker takes each turn."""
 
 from __future__ import annotations
 
@@ -114,6 +115,41 @@ def test_every_worker_learns_from_the_events_what_the_engines_hold(subscribed: R
     assert _engine_counts(stack, "vllm:prefix_cache_hits_total")[engine] - hits[engine] >= blocks * BLOCK
     [generate] = [line for line in stack.stages(request_id) if line["stage"] == "generate"]
     assert generate["instance"] == engine and generate["matched_tokens"] >= blocks * BLOCK
+
+
+def _turn(stack: RunningStack, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """One Responses turn (greedy, no thinking): its answer and the x-request-id it got."""
+    body = {"model": "tiny", "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}, **body}
+    response = httpx.post(url + "/v1/responses", json=body, timeout=60, trust_env=False)
+    assert response.status_code == 200, response.text
+    return response.json(), response.headers.get("x-request-id", "")
+
+
+def test_a_stored_conversation_continues_where_its_prefix_is_cached(subscribed: RunningStack) -> None:
+    """Turns two and three of a `previous_response_id` chain land on the engine that served the
+    first (its prompt is their prefix) and report the cache hits; native vLLM's own store behind
+    a plain round robin would not even find the first turn on the other engine."""
+    stack = subscribed
+    first, request_id = _turn(stack, stack.base_url, {"input": PROMPT + "Why?", "max_output_tokens": 4})
+    [generate] = [line for line in stack.stages(request_id) if line["stage"] == "generate"]
+    engine, blocks = generate["instance"], first["usage"]["input_tokens"] // BLOCK
+    previous = first
+    for question in ("And then?", "Why not?"):
+        body = {"input": question, "previous_response_id": previous["id"], "max_output_tokens": 4}
+        previous, request_id = _turn(stack, stack.base_url, body)
+        [generate] = [line for line in stack.stages(request_id) if line["stage"] == "generate"]
+        assert generate["instance"] == engine and generate["matched_tokens"] >= blocks * BLOCK
+        assert previous["usage"]["input_tokens_details"]["cached_tokens"] >= blocks * BLOCK
+    # native: each engine its own store; the first turn on one, the follow-up on the other
+    one, other = (i.url for i in stack.config.pools[0].instances)
+    native, _ = _turn(stack, one, {"input": PROMPT + "Why?", "max_output_tokens": 4, "store": True})
+    lost = httpx.post(
+        other + "/v1/responses",
+        json={"model": "tiny", "input": "And then?", "previous_response_id": native["id"]},
+        timeout=30,
+        trust_env=False,
+    )
+    assert lost.status_code == 404 and "not found" in lost.json()["error"]["message"]
 
 
 def test_a_prefix_cache_reset_is_forgotten_within_one_event(subscribed: RunningStack) -> None:
