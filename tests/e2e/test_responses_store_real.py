@@ -157,3 +157,19 @@ def test_a_response_not_stored_is_not_found(stack: RunningStack) -> None:
     answer = _post(stack.base_url, {"input": "Hi", "max_output_tokens": 2, "store": False, **NO_THINK}, False)[1]
     assert answer["status"] == "incomplete"
     assert httpx.get(f"{stack.base_url}/v1/responses/{answer['id']}", timeout=10).status_code == 404
+
+
+def test_the_official_openai_client_continues_retrieves_lists_and_deletes(stack: RunningStack) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    extra = {"extra_body": NO_THINK, "temperature": 0.0, "max_output_tokens": 6}
+    first = client.responses.create(model="tiny", input="Hello", **extra)
+    second = client.responses.create(model="tiny", input="Again", previous_response_id=first.id, **extra)
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id) == second
+    listed = client.responses.input_items.list(second.id)
+    assert [item.type for item in listed.data] == ["message"] and listed.data[0].content[0].text == "Again"
+    assert client.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
