@@ -210,9 +210,13 @@ def build_services(
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
         planner.on_engine_failed = capabilities.engine_failed  # a dead engine leaves routing at once
     model = DerenderModel(config.model, answering_block_size(config))
-    conversations = (
-        first.conversations if first is not None else Conversations(build_conversation_store(config.conversation_store))
-    )
+    if first is not None:
+        conversations = first.conversations
+    else:
+        conversations = Conversations(build_conversation_store(config.conversation_store))
+        conversations.on_outcome = lambda op, outcome: observability.metrics.conversation_store.labels(
+            op, outcome
+        ).inc()
     services = Services(
         config=config,
         tokenization=tokenization,

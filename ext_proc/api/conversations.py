@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -23,6 +23,7 @@ from ext_proc.api.conversation_store import ResponseStore, StoredResponse
 from ext_proc.errors import GatewayError
 
 log = logging.getLogger("tito.responses")
+T = TypeVar("T")
 
 STORED_HANDLERS = frozenset({"responses_retrieve", "responses_delete", "responses_input_items", "responses_cancel"})
 SYNCHRONOUS = "Cannot cancel a synchronous response."  # native's, for a response that is not running
@@ -34,7 +35,8 @@ class Conversations:
 
     def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store
-        self.failures = 0  # writes that failed (the answer still reached its client)
+        # each store operation's outcome (op: put, get, delete; outcome: ok, not_found, error)
+        self.on_outcome: Callable[[str, str], None] = lambda op, outcome: None
 
     @property
     def enabled(self) -> bool:
@@ -62,8 +64,10 @@ class Conversations:
         try:
             await self.store.put(stored)
         except Exception as exc:  # noqa: BLE001 - the client's answer is not lost for it
-            self.failures += 1
+            self.on_outcome("put", "error")
             log.error("response %s not stored: %s", stored.id, type(exc).__name__)
+        else:
+            self.on_outcome("put", "ok")
 
     async def answer(
         self, handler: str, params: Mapping[str, str], query: Mapping[str, list[str]], tenant: str | None
@@ -87,19 +91,23 @@ class Conversations:
     async def _get(self, response_id: str, tenant: str | None) -> StoredResponse | None:
         if self.store is None:
             return None
-        try:
-            found = await self.store.get(response_id)
-        except Exception as exc:  # noqa: BLE001 - the client gets a 503, the log the cause
-            log.error("response store unavailable: %s", type(exc).__name__)
-            raise GatewayError(503, "the response store is unavailable", code="store_unavailable") from exc
-        return found if found is not None and found.tenant == tenant else None
+        found = await self._call("get", self.store.get(response_id))
+        found = found if found is not None and found.tenant == tenant else None
+        self.on_outcome("get", "ok" if found is not None else "not_found")
+        return found
 
     async def _delete(self, response_id: str) -> None:
         assert self.store is not None
+        self.on_outcome("delete", "ok" if await self._call("delete", self.store.delete(response_id)) else "not_found")
+
+    async def _call(self, op: str, call: Awaitable[T]) -> T:
+        """A store read or delete; the store unreachable: a 503 for the client, its cause in
+        the log (never the id or content)."""
         try:
-            await self.store.delete(response_id)
-        except Exception as exc:  # noqa: BLE001
-            log.error("response store unavailable: %s", type(exc).__name__)
+            return await call
+        except Exception as exc:  # noqa: BLE001 - the client gets a 503, the log the cause
+            self.on_outcome(op, "error")
+            log.error("conversation store unavailable (%s): %s", op, type(exc).__name__)
             raise GatewayError(503, "the response store is unavailable", code="store_unavailable") from exc
 
 

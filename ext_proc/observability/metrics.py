@@ -268,6 +268,11 @@ class Metrics:
         self.tenant_tokens = counter(
             "tito_tenant_admitted_tokens", "tokens admitted per API-key tenant (prompt + n x max_tokens)", ("tenant",)
         )
+        self.conversation_store = counter(
+            "tito_conversation_store_operations",
+            "kept conversations (stored Responses): put, get, delete by outcome (ok, not_found, error)",
+            ("op", "outcome"),
+        )
 
     def flow_outcome(self, band: str, outcome: str, waited_s: float) -> None:
         self.flow_requests.labels(band, outcome).inc()

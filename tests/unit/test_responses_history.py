@@ -133,3 +133,35 @@ def test_stored_routes_answer_only_their_tenant(tmp_path: Path) -> None:
 def test_without_a_store_every_id_is_unknown() -> None:
     status, body = asyncio.run(Conversations().answer("responses_retrieve", {"response_id": "resp_x"}, {}, None))
     assert status == 404 and orjson.loads(body)["error"]["param"] == "response_id"
+
+
+class _Down:
+    """A store that cannot be reached (Redis down, a disk gone)."""
+
+    async def put(self, stored: StoredResponse) -> None:
+        raise ConnectionError("down")
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raise ConnectionError("down")
+
+    async def delete(self, response_id: str) -> bool:
+        raise ConnectionError("down")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_store_that_is_down_is_a_503_and_a_lost_write_is_counted_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    conversations, seen = Conversations(_Down()), []
+    conversations.on_outcome = lambda op, outcome: seen.append((op, outcome))
+
+    async def run() -> tuple[int, bytes]:
+        await conversations.keep(_stored("resp_secret", "alpha"))  # the answer still goes out
+        return await conversations.answer("responses_retrieve", {"response_id": "resp_secret"}, {}, "alpha")
+
+    status, body = asyncio.run(run())
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "store_unavailable"
+    assert seen == [("put", "error"), ("get", "error")]
+    assert "ConnectionError" in caplog.text and "alpha" not in caplog.text
