@@ -64,6 +64,7 @@ class OwnedAnswer:
                 await self._close()
         if self._conversion is not None and status == 200:
             status, body = self._conversion.whole(body)
+            await self._conversion.finished()
         for reply in msg.local_response(status, body, self._record):
             yield reply
 
@@ -79,7 +80,10 @@ class OwnedAnswer:
                     if data:
                         await self._stream.send(msg.local_response_body(data, False, self._record))
             complete = True
-            tail = converter.convert(framer.flush(), end=True) if converter is not None else b""
+            tail = b""
+            if converter is not None and self._conversion is not None:
+                tail = converter.convert(framer.flush(), end=True)
+                await self._conversion.finished()
             await self._stream.send(msg.local_response_body(tail, True, self._record))
         except asyncio.CancelledError:
             if not complete:  # the client left (Envoy reset the call) before the end

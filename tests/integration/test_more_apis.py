@@ -190,6 +190,14 @@ def test_a_responses_stream_relayed_to_another_engine_is_one_whole_stream(gw: Si
         sim.tokens, sim.fault = ids, None
     whole = _responses(gw).create(**body)
     assert whole.output_text == streamed.output_text and whole.usage == streamed.usage
+    # the relayed stream's answer was kept as the client got it (a processor-owned stream)
+    kept = _responses(gw).retrieve(streamed.id)
+    assert (kept.id, kept.output_text, kept.usage, kept.status) == (
+        streamed.id,
+        streamed.output_text,
+        streamed.usage,
+        streamed.status,
+    )
 
 
 def test_responses_refuse_what_needs_a_store_as_native_does(gw: SimGateway) -> None:
