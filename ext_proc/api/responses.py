@@ -79,6 +79,8 @@ class ResponsesApi:
     async def _turn(self, client: Any, named: dict[str, Any]) -> Turn | None:
         """What is stored of this turn once answered (None: not stored); a follow-up's stored
         conversation put into `named` as input items, for render's stateless route."""
+        if not client.store and client.previous_response_id is None:
+            return None  # (nothing kept, nothing continued)
         tenant = (FLOW.get() or Flow()).tenant
         previous_messages = previous_output = None
         if client.previous_response_id is not None:
