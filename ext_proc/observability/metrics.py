@@ -270,7 +270,7 @@ class Metrics:
         )
         self.conversation_store = counter(
             "tito_conversation_store_operations",
-            "kept conversations (stored Responses): put, get, delete by outcome (ok, not_found, error)",
+            "the conversation store (kept turns): put, get, delete by outcome (ok, not_found, error)",
             ("op", "outcome"),
         )
 
