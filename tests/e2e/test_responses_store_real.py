@@ -94,6 +94,12 @@ def test_a_chain_of_turns_equals_native_vllm_with_its_store(chain: str, stream: 
         assert _same(ours) == _same(theirs), f"turn {turn + 1}"
     # the later turns' prompts hold the earlier ones: native's usage counts them alike
     assert [a["usage"]["input_tokens"] for a in gateway] == [a["usage"]["input_tokens"] for a in native]
+    # each turn retrieved as it was stored, whole or streamed, as native retrieves its own
+    for url, answers in ((stack.base_url, gateway), (stack.engine_url, native)):
+        for answer in answers:
+            kept = httpx.get(f"{url}/v1/responses/{answer['id']}", timeout=10)
+            answered = {key: value for key, value in answer.items() if key != "_stream"}
+            assert kept.status_code == 200 and _same(kept.json()) == _same(answered)
 
 
 def test_retrieve_and_cancel_answer_as_native(stack: RunningStack) -> None:
