@@ -55,7 +55,7 @@ class PublicRoute(Section):
     def pattern(self) -> str:
         """The path as a regular expression (RE2 and Python alike, for Envoy's route and the
         processor's): each `{name}` a named group of one segment."""
-        return re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(self.path))
+        return _compiled(self.path).pattern
 
     def match(self, method: str, path: str) -> dict[str, str] | None:
         """The path's `{name}` segments if this route takes the request, else None."""
@@ -63,13 +63,15 @@ class PublicRoute(Section):
             return None
         if "{" not in self.path:
             return {} if path == self.path else None
-        found = _compiled(self.pattern).fullmatch(path)
+        found = _compiled(self.path).fullmatch(path)
         return None if found is None else found.groupdict()
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _compiled(path: str) -> re.Pattern[str]:
+    """A route path's regular expression, made once per path (the processor matches every
+    request's path against the table)."""
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
 DEFAULT_ROUTES = [

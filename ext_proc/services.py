@@ -76,7 +76,7 @@ class Services:
 
     def __post_init__(self) -> None:
         if not self.apis:
-            self.apis = client_apis(self.planner, self.tokenization.pool, self.config.model)
+            self.apis = client_apis(self.planner, self.tokenization.pool, self.config.model, None, self.conversations)
         if not self.process.bases:  # a one-model gateway (and the first base of a catalog)
             self.process.bases.append(self)
 
