@@ -75,6 +75,11 @@ class StreamConversion(Protocol):
 
     def convert(self, payloads: list[bytes], end: bool = False) -> bytes: ...
 
+    def ended(self, status: int, body: bytes) -> bytes:
+        """The stream's last bytes when the gateway ends it (an eviction, the drain deadline, a
+        bug) with this error (OpenAI's body): the client's API's error event."""
+        ...
+
     def close(self) -> None:
         """The answer ended early: nothing is left suspended."""
         ...

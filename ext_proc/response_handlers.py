@@ -137,6 +137,8 @@ class StreamResponse:
         out = await self._derender.feed(data)
         if end:
             out += await self._derender.finish()
+        if self.done:  # interrupted while it derendered (an eviction): its last event is out
+            return
         # [DONE] or a failure ends the client's response; ending it early also ends the
         # engine's stream, so it never generates for nobody.
         self.done = end or self._derender.done
@@ -280,11 +282,11 @@ class ConvertedResponse:
             self._stream.close()
 
     def interrupted(self, error: GatewayError) -> Chunk | Refuse:
-        """As the inner stream would have ended, converted."""
+        """The error in the client's API: as its whole answer, or its stream's error event."""
         out = self._inner.interrupted(error)
         if isinstance(out, Refuse) or self._stream is None:
             return Refuse(error.status, self._conversion.error(error.status, error.body))
-        return Chunk(self._stream.convert(self._framer.feed(out.data), end=True), True)
+        return Chunk(self._stream.ended(error.status, error.body), True)
 
     def _convert(self, out: Out) -> list[Out]:
         if isinstance(out, Refuse):

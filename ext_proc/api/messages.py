@@ -233,6 +233,11 @@ class MessagesStream:
         lines = ("data: " + p.decode() + "\n\n" for p in payloads)
         return "".join(self._stepped.run(lines, end)).encode()
 
+    def ended(self, status: int, body: bytes) -> bytes:
+        """Anthropic's error event (an engine's in-band error goes through `convert`, as native)."""
+        self._stepped.close()
+        return b"event: error\ndata: " + anthropic_error(status, body) + b"\n\n"
+
     def close(self) -> None:
         self._stepped.close()
 

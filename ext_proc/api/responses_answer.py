@@ -348,6 +348,9 @@ class ResponsesStream:
             return out + self._error_frame(error)
         return out + (self._frames(self._stepped.run([], end=True)) if end else b"")
 
+    def ended(self, status: int, body: bytes) -> bytes:
+        return self.convert([body], end=True)  # (an error chunk: the stream's error event)
+
     def close(self) -> None:
         self._stepped.close()
 

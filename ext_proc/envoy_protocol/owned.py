@@ -10,7 +10,7 @@ import asyncio
 import logging
 from contextlib import aclosing
 
-from ext_proc.derender.streaming import SSEFramer
+from ext_proc.derender.streaming import DONE_EVENT, SSEFramer, sse_event
 from ext_proc.envoy_protocol import messages as msg
 from ext_proc.envoy_protocol.stream import EnvoyStream, Replies
 from ext_proc.errors import GatewayError
@@ -81,7 +81,10 @@ class OwnedAnswer:
                         await self._stream.send(msg.local_response_body(data, False, self._record))
             complete = True
             tail = b""
-            if converter is not None and self._conversion is not None:
+            if (error := self.fanout.interrupted) is not None:  # the gateway's own end
+                tail = sse_event(error.body) + DONE_EVENT
+                tail = converter.ended(error.status, error.body) if converter is not None else tail
+            elif converter is not None and self._conversion is not None:
                 tail = converter.convert(framer.flush(), end=True)
                 await self._conversion.finished()
             await self._stream.send(msg.local_response_body(tail, True, self._record))

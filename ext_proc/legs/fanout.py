@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -29,7 +30,14 @@ from ext_proc.observability.request import current
 from ext_proc.planning.plan import Owned
 
 log = logging.getLogger("tito.fanout")
-_Item = bytes | GatewayError | None  # SSE bytes, a prompt's failure, a prompt's end
+
+
+@dataclass(frozen=True)
+class _Interruption:
+    error: GatewayError  # the gateway ends the answer (an eviction, the drain deadline)
+
+
+_Item = bytes | GatewayError | _Interruption | None  # SSE bytes, a prompt's failure, the gateway's end, a prompt's end
 
 
 class FanOut:
@@ -43,6 +51,7 @@ class FanOut:
         self.queue_depth_max = 0
         self._producers: list[asyncio.Task[None]] = []
         self._first: PromptStream | None = None  # the prompt whose output came first
+        self.interrupted: GatewayError | None = None  # why the gateway ended the stream, if it did
 
     async def establish(self) -> None:
         """Every prompt's engine answered 200 (GatewayError: one could not; nothing is left open)."""
@@ -77,13 +86,17 @@ class FanOut:
             item = await self._queue.get()
             if item is None:
                 running -= 1
-            elif isinstance(item, GatewayError):
+            elif isinstance(item, (GatewayError, _Interruption)):
                 # Everything closed before the client's last bytes: once they are out, Envoy
                 # ends the call, and what is still open would be closed by a cancelled task.
                 await self.aclose()
+                error = item.error if isinstance(item, _Interruption) else item
                 if (record := current()) is not None:
-                    record.answer_failed(item.code)
-                yield sse_event(item.body) + DONE_EVENT
+                    record.answer_failed(error.code)
+                if isinstance(item, _Interruption):  # its bytes are the client API's (`interrupted`)
+                    self.interrupted = error
+                    return
+                yield sse_event(error.body) + DONE_EVENT
                 return
             else:
                 yield item
@@ -111,8 +124,9 @@ class FanOut:
             await self._put(GatewayError(500, "internal gateway error", code="internal_error"))
 
     def interrupt(self, error: GatewayError) -> None:
-        """End the client's stream with `error` after what is already queued for it."""
-        task = asyncio.ensure_future(self._put(error))
+        """End the client's stream with `error` after what is already queued for it; the
+        stream then stops with `interrupted` set, for the writer to say it in the client's API."""
+        task = asyncio.ensure_future(self._put(_Interruption(error)))
         self._producers.append(task)  # cancelled with them when the stream closes
 
     async def _put(self, item: _Item) -> None:

@@ -239,7 +239,12 @@ def test_the_messages_response_converts_streams_whole_answers_and_errors() -> No
     interrupted = ConvertedResponse(_Inner([Head(), Chunk(sse[:200], False)]), MESSAGES)
     asyncio.run(_outs(interrupted))
     last = interrupted.interrupted(GatewayError(503, "the gateway is shutting down", code="draining"))
-    assert last.end and b"event: error" in last.data and interrupted.done
+    assert last.end and interrupted.done
+    event, data = last.data.decode().strip().split("\n")  # the gateway's own end: its message, not a converter's
+    assert event == "event: error" and orjson.loads(data.removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "server_error", "message": "the gateway is shutting down"},
+    }
 
 
 def test_the_chat_request_sent_on_validates_to_the_one_native_converts_to() -> None:
