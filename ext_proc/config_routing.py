@@ -108,6 +108,12 @@ class AdmissionConfig(Section):
     # new requests queue even when the token budget has room. None: the budget alone.
     saturation_kv_cache_usage: float | None = Field(default=None, gt=0, le=1)
     saturation_waiting_requests: int | None = Field(default=None, ge=0)
+    # While the highest band's next request is kept out by capacity (the budget or saturated
+    # engines), end sheddable requests of a lower band in flight (llm-d's `enableEviction`):
+    # the lowest band's newest first, at most this many per decision, their clients told
+    # (429 `evicted`, or a stream's error event), their tokens back. False: never.
+    evict_sheddable: bool = False
+    max_evictions_per_decision: int = Field(default=2, ge=1)
 
 
 class CapabilitiesConfig(Section):

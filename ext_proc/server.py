@@ -39,6 +39,7 @@ from ext_proc.obfuscation import build_codec
 from ext_proc.observability.request import Observability, clock
 from ext_proc.observability.stage_cpu import StageProfile, install
 from ext_proc.observability.tracing import tracer_from_environment
+from ext_proc.planning.plan import engine_legs
 from ext_proc.planning.planner import Planner
 from ext_proc.services import ProcessState, Services
 from ext_proc.tenancy.flows import Tenancy
@@ -238,11 +239,24 @@ def build_services(
         loop_lag=loop_lag,
         process=first.process if first is not None else ProcessState(),
     )
+    planner.flow.evict = _evicting(services.process)
     if first is None:
         observability.metrics.watch(lambda: state(services))
     else:
         first.process.bases.append(services)
     return services
+
+
+def _evicting(process: ProcessState) -> Callable[[str, GatewayError], str | None]:
+    """Flow control's eviction: the Envoy stream whose request holds the lease ends now."""
+
+    def evict(lease: str, error: GatewayError) -> str | None:
+        for exchange in list(process.live):
+            if any(lease == leg for leg, _ in engine_legs(exchange.plan)) and exchange.end_now(error):
+                return str(exchange.request_id)
+        return None
+
+    return evict
 
 
 def token_quota(config: TitoConfig) -> TokenQuota | None:
@@ -289,9 +303,8 @@ async def drain(services: Services, timeout_s: float) -> None:
     while process.active_exchanges and loop.time() < deadline:
         await asyncio.sleep(0.05)
     error = GatewayError(503, "the gateway is shutting down", code="draining")
-    for exchange in [e for e in process.live if not e.closed]:
-        for reply in exchange.interrupt(error):
-            exchange.outbox.put_nowait(reply)
+    for exchange in list(process.live):
+        exchange.end_now(error)
     while process.active_exchanges and loop.time() < deadline + 2:  # their last bytes go out
         await asyncio.sleep(0.05)
 

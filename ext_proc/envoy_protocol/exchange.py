@@ -44,8 +44,8 @@ class Exchange(EnvoyStream):
         self._body = RequestBody(services.config.listener.max_request_bytes, self._held)
         self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
         self.record = services.observability.begin(self.request_id)
-        self._plan: Plan | None = None
-        self._leases: list[str] = []
+        self.plan: Plan | None = None  # (flow control finds a request to evict by its legs' leases)
+        self.leases: list[str] = []
         self._handler: ResponseHandler | None = None
         self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
@@ -62,11 +62,11 @@ class Exchange(EnvoyStream):
     def release(self) -> None:
         """Leases back with what the engines did (the routed leg's verdict), bytes let go."""
         self.record.mark("records")
-        routed_lease = routed(self._plan)[0]
+        routed_lease = routed(self.plan)[0]
         self._s.triggers.forget(routed_lease or "")
         self.record.leg_done(routed_lease or "", self._verdict.served_by, self._verdict.failed)
         self.record.finish(cancelled=not self.record.complete)
-        for lease in self._leases:
+        for lease in self.leases:
             verdict = self._verdict if lease == routed_lease else Verdict()
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
         if self._owned is not None:
@@ -82,7 +82,7 @@ class Exchange(EnvoyStream):
         untouched = self._gateway.read(message, self.record)  # (a gateway keeping the answer: its reply)
         if kind == "response_headers":  # who served: breakers, admission and native replays learn it
             self._response_head = head = msg.header_map(message.response_headers)
-            self._verdict = engine_verdict(routed(self._plan)[1], head, self._gateway.served)
+            self._verdict = engine_verdict(routed(self.plan)[1], head, self._gateway.served)
         if untouched is not None:
             yield untouched
         elif kind is not None and hasattr(self, f"_on_{kind}"):
@@ -123,7 +123,7 @@ class Exchange(EnvoyStream):
         plan = self._s.planner.passthrough(self._gateway.plane.within)
         if not plan.hosts and self._gateway.plane.within is not None:
             return self._refuse(GatewayError(503, "no engine instance in the request's endpoint subset"))
-        self._plan, self.mode = plan, Mode.FORWARD
+        self.plan, self.mode = plan, Mode.FORWARD
         self._forwarded(end_of_stream)
         return msg.request_headers_reply(remove=self._unforwarded(), destination=self._named(plan.hosts))
 
@@ -163,10 +163,10 @@ class Exchange(EnvoyStream):
         plane, flow = self._gateway.plane, self._flow if isinstance(self._flow, Flow) else None
         content_type = self._headers.get("content-type")
         self._s, plan = await self._s.plan(self._route, content_type, raw, self.request_id, plane, flow)
-        self._plan, self._leases = plan, lease_ids(plan)
+        self.plan, self.leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
-            self._plan = plan = await self._s.routable(plan, self.spawn)
-            self._leases += [lease for lease in lease_ids(plan) if lease not in self._leases]
+            self.plan = plan = await self._s.routable(plan, self.spawn)
+            self.leases += [lease for lease in lease_ids(plan) if lease not in self.leases]
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
         self.record.mark("generate body")
         if isinstance(plan, Owned):
@@ -207,29 +207,29 @@ class Exchange(EnvoyStream):
         return self.interrupt(error)
 
     def interrupt(self, error: GatewayError) -> list[ext_proc_pb.ProcessingResponse]:
-        """The answer ends now (a bug, the drain deadline): as an error event and [DONE] once
+        """The answer ends now (a bug, the drain deadline, an eviction): as an error event and [DONE] once
         the client has headers, else as the error itself."""
         if self._owned is not None and self._owned.streaming:
             self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
         if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):
             return []
-        out = self._handler.interrupted(error) if self._handler is not None else refusal(self._plan, error)
+        out = self._handler.interrupted(error) if self._handler is not None else refusal(self.plan, error)
         if isinstance(out, Chunk):  # the client has headers: the stream's error event
             return [msg.response_reply(out, self.record)]
-        return [self._refuse(GatewayError(out.status, error.message, body=out.body))]
+        return [self._refuse(GatewayError(out.status, error.message, body=out.body, retry_after=error.retry_after))]
 
     async def _on_response_headers(self, message: ext_proc_pb.HttpHeaders) -> Replies:
         headers = self._response_head  # (read once, in on_message)
         status, content_type = int(headers.get(":status", "502")), headers.get("content-type", "")
         self.record.answered(status)  # unless the handler answers another
         cap, derender = self._s.config.processor.max_response_bytes, self._s.derender
-        replay = partial(self._s.replay_native, self._plan, self._verdict.served_by)  # no token-only generate
-        self._handler = handler_for(self._plan, status, content_type, derender, self._held, cap, replay)
+        replay = partial(self._s.replay_native, self.plan, self._verdict.served_by)  # no token-only generate
+        self._handler = handler_for(self.plan, status, content_type, derender, self._held, cap, replay)
         async for reply in self._response(lambda h: h.on_headers(status, content_type, message.end_of_stream)):
             yield reply
 
     async def _on_response_body(self, message: ext_proc_pb.HttpBody) -> Replies:
-        self._s.triggers.first_chunk(routed(self._plan)[0] or "")  # a Trigger prefill's tokens go back
+        self._s.triggers.first_chunk(routed(self.plan)[0] or "")  # a Trigger prefill's tokens go back
         async for reply in self._response(lambda h: h.on_body(message.body, message.end_of_stream)):
             yield reply
 
@@ -243,6 +243,7 @@ class Exchange(EnvoyStream):
         if handler is None or handler.done or self.mode is Mode.LOCAL:
             return
         async for out in step(handler):
-            if isinstance(out, Refuse):
-                self.mode = Mode.LOCAL
+            if self.mode is Mode.LOCAL:  # answered meanwhile (an interruption): nothing follows
+                return
+            self.mode = Mode.LOCAL if isinstance(out, Refuse) else self.mode
             yield msg.response_reply(out, self.record)

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+from ext_proc.errors import GatewayError
 from protos.stubs import ext_proc_pb
 
 log = logging.getLogger("tito.exchange")
@@ -31,6 +32,19 @@ class EnvoyStream:
     def on_bug(self) -> list[ext_proc_pb.ProcessingResponse]:
         """The replies after an unexpected exception (a processor bug)."""
         return []
+
+    def interrupt(self, error: GatewayError) -> list[ext_proc_pb.ProcessingResponse]:
+        """The replies that end the answer now with `error`."""
+        return []
+
+    def end_now(self, error: GatewayError) -> bool:
+        """The answer ends now with `error`, from outside the stream (the drain deadline, flow
+        control's eviction); False: the stream had no answer left to end."""
+        if self._closed or self.answered:
+            return False
+        for reply in self.interrupt(error):
+            self.outbox.put_nowait(reply)
+        return True
 
     def release(self) -> None:
         """Give back what the stream holds (after every task it started has ended)."""

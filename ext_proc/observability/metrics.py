@@ -257,7 +257,9 @@ class Metrics:
         )
         self.cancellations = counter("tito_cancellations", "requests whose client left before the end", ("api",))
         self.flow_requests = counter(
-            "tito_flow_requests", "flow control outcomes (dispatched, rejected_*) by priority band", ("band", "outcome")
+            "tito_flow_requests",
+            "flow control outcomes (dispatched, rejected_*, evicted) by priority band",
+            ("band", "outcome"),
         )
         self.flow_queue_seconds = histogram(
             "tito_flow_queue_seconds",
@@ -276,6 +278,8 @@ class Metrics:
 
     def flow_outcome(self, band: str, outcome: str, waited_s: float) -> None:
         self.flow_requests.labels(band, outcome).inc()
+        if outcome == "evicted":  # (in flight, not queued)
+            return
         if outcome != "dispatched" or waited_s > 0:  # (at once: not queued)
             self.flow_queue_seconds.labels(band, outcome).observe(waited_s)
 

@@ -15,7 +15,14 @@ short tick while anything waits (saturation moves with the engines' metrics, not
 releases): its placement runs in the request's own context, so its record sees its legs. A
 client that leaves while queued is removed at once (its task is cancelled); a request placed
 in the instant its client left gives its legs back. Off (`queue_timeout_s: 0`): a request
-that does not fit is refused at once, as before flow control."""
+that does not fit is refused at once, as before flow control.
+
+Eviction (`admission.evict_sheddable`, llm-d's `enableEviction`): while the highest band's next
+request is kept out by capacity, sheddable requests of a lower band in flight are ended, the
+lowest band's newest first, until the room they free covers it. Their clients are told (429
+`evicted` before their answer started, else the stream's error event and [DONE]), and their
+tokens come back as their streams end; until then (or `EVICTION_GRACE_S`) that room counts
+as coming, so one waiting request does not end more than it needs."""
 
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ log = logging.getLogger("tito.flow")
 TICK_S = 0.05  # while anything waits: saturation is re-read this often
 BUDGET_FULL = "token_budget_exceeded"  # scheduling's refusal when admission has no room
 MAX_ACTIVE_FLOWS = 10_000  # flows remembered as recently active, before idle ones are dropped
+EVICTION_GRACE_S = 10.0  # an evicted request's tokens count as coming back this long at most
 
 
 class QueueRefusal(GatewayError):
@@ -46,6 +54,17 @@ class QueueRefusal(GatewayError):
 
     def __init__(self, message: str, code: str, retry_after: int) -> None:
         super().__init__(429, message, code=code, retry_after=retry_after)
+
+
+@dataclass
+class _Hold:
+    """Tokens a placed request holds of its flow's share, until its lease goes back."""
+
+    flow: str
+    tokens: int
+    priority: int
+    number: int  # arrival order: the newest is evicted first
+    evicted_at: float | None = None  # when flow control ended it (its tokens are coming back)
 
 
 @dataclass(eq=False)
@@ -74,15 +93,19 @@ class FlowControl:
         self._budget = budget  # this process's token budget (None: unlimited, no shares)
         self._lease = lease  # the lease whose release ends a plan's hold on its flow's share
         self._usage: dict[str, int] = {}  # tokens each flow holds, admitted here
-        self._holds: dict[str, tuple[str, int]] = {}  # lease -> (flow, tokens)
+        self._holds: dict[str, _Hold] = {}  # lease -> what it holds
         self._seen: dict[str, tuple[float, int, float]] = {}  # flow -> (last arrival, priority, weight)
         self.queue = FlowQueue(config.queue_max_requests, config.queue_max_tokens)
         self._entries: dict[Waiting, _Entry] = {}
         self._ticker: asyncio.Task[None] | None = None
         self.shed = 0
         self.timed_out = 0
+        self.evicted = 0
         # (priority band, outcome, seconds queued): metrics (server.py wires them)
         self.on_outcome: Callable[[str, str, float], None] = lambda band, outcome, waited: None
+        # Ends the request holding this lease with the error: its request id, or None if it
+        # had no answer left to end (server.py wires it to the Envoy streams).
+        self.evict: Callable[[str, GatewayError], str | None] = lambda lease, error: None
 
     @property
     def enabled(self) -> bool:
@@ -138,10 +161,9 @@ class FlowControl:
         """A lease went back: its flow's hold ends, and waiting requests may go in (after
         the caller is done)."""
         if (hold := self._holds.pop(lease, None)) is not None:
-            flow, tokens = hold
-            self._usage[flow] -= tokens
-            if not self._usage[flow]:
-                del self._usage[flow]
+            self._usage[hold.flow] -= hold.tokens
+            if not self._usage[hold.flow]:
+                del self._usage[hold.flow]
         if self._entries:
             asyncio.get_running_loop().call_soon(self._dispatch)
 
@@ -157,6 +179,58 @@ class FlowControl:
                 continue
             self.queue.dispatched(waiting)  # (its flow's fair share charged before it leaves)
             self._settle(entry, "dispatched", plan=self._held(waiting, plan))
+        if self._entries and self._config.evict_sheddable:
+            self._evict_for(self.queue.next())
+
+    def _evict_for(self, head: Waiting | None) -> None:
+        """The highest band's next request, if capacity keeps it out: sheddable requests of a
+        lower band in flight end, the lowest band's newest first, until the room freed and
+        coming covers it, at most `max_evictions_per_decision` now."""
+        if head is None:
+            return
+        short = self._short(head)
+        for lease, hold in self._victims(head)[: self._config.max_evictions_per_decision]:
+            if short <= 0:
+                return
+            if self._evicted(lease, hold, head):
+                short -= hold.tokens
+
+    def _short(self, head: Waiting) -> int:
+        """Tokens the request lacks beyond the room free and coming from evictions (saturated
+        engines, with no eviction's room coming: one request's worth, at least)."""
+        now, budget, used = self._clock(), self._budget(), sum(self._usage.values())
+        coming = sum(
+            h.tokens for h in self._holds.values() if h.evicted_at is not None and now - h.evicted_at < EVICTION_GRACE_S
+        )
+        short = 0 if budget is None else head.demand - (budget - used) - coming
+        return max(short, 1) if self._saturated() and not coming else short
+
+    def _victims(self, head: Waiting) -> list[tuple[str, _Hold]]:
+        """Requests in flight it may end: sheddable, of a lower band, not ended yet; the
+        lowest band first, the newest first within it (llm-d's priority-then-time order)."""
+        held = [(lease, h) for lease, h in self._holds.items() if h.evicted_at is None]
+        return sorted(
+            ((lease, h) for lease, h in held if h.priority < min(0, head.priority)),
+            key=lambda item: (item[1].priority, -item[1].number),
+        )
+
+    def _evicted(self, lease: str, hold: _Hold, head: Waiting) -> bool:
+        """The request holding `lease` told and ended (False: its answer had already ended)."""
+        hold.evicted_at = self._clock()
+        error = QueueRefusal("request evicted by flow control", "evicted", self._retry_after())
+        if (request_id := self.evict(lease, error)) is None:
+            hold.evicted_at = -math.inf  # never a victim again; its tokens come back as it ends
+            return False
+        self.evicted += 1
+        self.on_outcome(str(hold.priority), "evicted", 0.0)
+        log.info(
+            "evicted request %s (band %d, %d tokens) for a waiting band %d request",
+            request_id,
+            hold.priority,
+            hold.tokens,
+            head.priority,
+        )
+        return True
 
     def _within_share(self, waiting: Waiting) -> bool:
         """The flow may take `demand` more: its weighted share of the budget among the active
@@ -184,7 +258,7 @@ class FlowControl:
     def _held(self, waiting: Waiting, plan: Plan) -> Plan:
         """The plan's tokens count against its flow's share until its lease goes back."""
         if (lease := self._lease(plan)) is not None:
-            self._holds[lease] = (waiting.flow, waiting.demand)
+            self._holds[lease] = _Hold(waiting.flow, waiting.demand, waiting.priority, waiting.number)
             self._usage[waiting.flow] = self._usage.get(waiting.flow, 0) + waiting.demand
         return plan
 
@@ -240,10 +314,11 @@ class FlowControl:
             self._forget_idle()
 
     def snapshot(self) -> dict[str, Any]:
-        """For /debug/state: who waits, for how long, and what was shed or timed out."""
+        """For /debug/state: who waits, for how long, and what was shed, timed out or evicted."""
         oldest = min((e.since for e in self._entries.values()), default=None)
         waited = 0.0 if oldest is None else round(self._clock() - oldest, 3)
-        return {**self.queue.snapshot(), "oldest_wait_s": waited, "shed": self.shed, "timed_out": self.timed_out}
+        counts = {"shed": self.shed, "timed_out": self.timed_out, "evicted": self.evicted}
+        return {**self.queue.snapshot(), "oldest_wait_s": waited, **counts}
 
 
 def _placed(future: asyncio.Future[Plan]) -> bool:

@@ -1,7 +1,8 @@
 """Flow control and tenancy through real Envoy and processor over an engine simulator: API
 keys (401/403 in each API's envelope, never a key in the log), a request that does not fit
 waiting for room instead of a 429, a queue timeout answered 429 with Retry-After, a client
-that leaves while queued removed at once, and tenants' tokens per minute shared by two
+that leaves while queued removed at once, a sheddable request in flight evicted for a higher
+band (its client told, its engine stream cut), and tenants' tokens per minute shared by two
 processor workers through a real Redis."""
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from redis import Redis
 
-from tests.conftest import RunningStack, SimGateway, free_port, missing, running_sim_gateway
+from tests.conftest import RunningStack, SimGateway, free_port, metric, missing, running_sim_gateway
 from tests.redis_server import RedisServer
 from tests.unit.test_tenancy import KEY_A, KEY_B, _keys_file
 
@@ -163,3 +165,126 @@ def test_a_tenants_tokens_per_minute_hold_across_workers(two_workers: SimGateway
     assert charged and all(c <= TPM for c in charged)
     assert max(charged) > TPM - 2 * one_request  # (30 requests could take three times the quota)
     store.close()
+
+
+# -- eviction ---------------------------------------------------------------------------------
+
+OBJECTIVES = {"batch": -1, "interactive": 10}
+
+
+EVICTING = {
+    "global_token_budget": BUDGET,
+    "queue_timeout_s": 10.0,
+    "flow_active_s": 0.5,  # (a band seen recently keeps room for itself: tests start apart)
+    "objectives": OBJECTIVES,
+    "evict_sheddable": True,
+}
+
+
+@pytest.fixture(scope="module")
+def evicting(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
+    with running_sim_gateway(stack, tmp_path_factory.mktemp("evict"), 1, admission=EVICTING) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def evicting_owned(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
+    """Streams run by the processor (relay on): an eviction ends them from the processor's writer."""
+    work = tmp_path_factory.mktemp("evict_owned")
+    with running_sim_gateway(stack, work, 1, admission=EVICTING, reschedule={"enable": True}) as gw:
+        yield gw
+
+
+def _objective(name: str) -> dict[str, str]:
+    return {"x-llm-d-inference-objective": name, "x-llm-d-inference-fairness-id": name}
+
+
+def _batch(gw: SimGateway, api: str, stream: bool, out: list[httpx.Response]) -> threading.Thread:
+    """A sheddable request, answered in its own thread (its body read whole)."""
+    path, body = "/v1/chat/completions", {**CHAT, "stream": stream}
+    if api == "messages":
+        path, body = "/v1/messages", {"model": "tiny", "max_tokens": 20, "stream": stream, "messages": CHAT["messages"]}
+    elif api == "responses":
+        path, body = "/v1/responses", {"model": "tiny", "max_output_tokens": 20, "stream": stream, "input": "wait"}
+
+    def send() -> None:
+        out.append(httpx.post(gw.base_url + path, json=body, headers=_objective("batch"), timeout=30, trust_env=False))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def _evicted_by_an_interactive_chat(gw: SimGateway, api: str, stream: bool) -> httpx.Response:
+    """A batch request on the engine (the budget holds one), then an interactive chat: the
+    batch request's answer, once the interactive one was served."""
+    gw.restore()
+    sim = gw.sims[0]
+    sim.token_delay_s = 0.15  # 20 tokens: 3 s on the engine
+    time.sleep(0.6)  # the last test's flows are no longer active
+    sent, cut = len(sim.generate_requests()), sim.streams_cut
+    out: list[httpx.Response] = []
+    thread = _batch(gw, api, stream, out)
+    deadline = time.monotonic() + 5
+    while len(sim.generate_requests()) == sent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # a few of its tokens reach the client
+    urgent = httpx.post(
+        gw.base_url + "/v1/chat/completions",
+        json=CHAT,  # (both do not fit the budget)
+        headers=_objective("interactive"),
+        timeout=30,
+        trust_env=False,
+    )
+    assert urgent.status_code == 200 and urgent.json()["choices"][0]["finish_reason"] == "length"
+    thread.join(30)
+    deadline = time.monotonic() + 5  # the engine is not left generating for nobody
+    while stream and sim.streams_cut == cut and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim.streams_cut == cut + stream  # (the simulator counts streams only)
+    assert len(sim.generate_requests()) == sent + 2
+    gw.assert_no_leaks()
+    return out[0]
+
+
+@pytest.mark.parametrize("path", ["evicting", "evicting_owned"], ids=["routed", "owned"])
+def test_a_sheddable_stream_is_evicted_for_a_higher_band_and_told_so(path: str, request: pytest.FixtureRequest) -> None:
+    evicting = request.getfixturevalue(path)
+    before = metric(evicting.metrics(), "tito_flow_requests_total", band="-1", outcome="evicted")
+    answer = _evicted_by_an_interactive_chat(evicting, "chat", stream=True)
+    assert answer.status_code == 200
+    events = [e.removeprefix("data: ") for e in answer.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert orjson.loads(events[-2])["error"] == {
+        "message": "request evicted by flow control",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "evicted",
+    }
+    assert orjson.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"  # it had started
+    after = metric(evicting.metrics(), "tito_flow_requests_total", band="-1", outcome="evicted")
+    assert after == before + 1 and evicting.state()["flow"]["evicted"] >= 1
+
+
+def test_an_answer_not_yet_started_is_evicted_as_a_429_with_retry_after(evicting: SimGateway) -> None:
+    answer = _evicted_by_an_interactive_chat(evicting, "chat", stream=False)
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "10"
+    assert answer.json()["error"]["code"] == "evicted"
+
+
+EVICTION_EVENTS = {  # each API's own error event, the stream's last
+    "messages": {"type": "error", "error": {"type": "rate_limit_error", "message": "request evicted by flow control"}},
+    "responses": {"type": "error", "code": "evicted", "message": "request evicted by flow control", "param": None},
+}
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+@pytest.mark.parametrize("path", ["evicting", "evicting_owned"], ids=["routed", "owned"])
+def test_an_evicted_stream_ends_with_its_apis_error_event(path: str, api: str, request: pytest.FixtureRequest) -> None:
+    answer = _evicted_by_an_interactive_chat(request.getfixturevalue(path), api, stream=True)
+    assert answer.status_code == 200
+    last = answer.text.strip().split("\n\n")[-1].split("\n")
+    assert last[0] == "event: error"
+    event = orjson.loads(last[1].removeprefix("data: "))
+    event.pop("sequence_number", None)  # (Responses numbers its events)
+    assert event == EVICTION_EVENTS[api]

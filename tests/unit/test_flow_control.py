@@ -14,6 +14,7 @@ from ext_proc.errors import GatewayError
 from ext_proc.planning.flow_control import BUDGET_FULL, FlowControl, QueueRefusal
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.protocol import Flow
+from ext_proc.response_handlers import Chunk, StreamResponse
 from scheduler import FlowQueue, Waiting
 
 
@@ -252,3 +253,122 @@ async def test_a_lower_band_leaves_room_for_an_active_higher_one() -> None:
         budget.left += 80
         control.released(lease)
     assert await batch == Local(200, b"b0")
+
+
+def _evicting(budget: Budget, tokens: int, evicted: list[str], **config: object) -> FlowControl:
+    """`_sharing` with eviction on; an eviction ends the request at once (its tokens back)."""
+    control = FlowControl(
+        AdmissionConfig(queue_timeout_s=5, evict_sheddable=True, **config),  # type: ignore[arg-type]
+        lambda: False,
+        budget.given_back.append,
+        budget=lambda: tokens,
+        lease=lambda plan: plan.body.decode(),
+    )
+
+    def evict(lease: str, error: GatewayError) -> str:
+        assert error.status == 429 and error.code == "evicted" and error.retry_after >= 1
+        evicted.append(lease)
+        return f"request-{lease}"
+
+    control.evict = evict
+    return control
+
+
+def _ends(budget: Budget, control: FlowControl, lease: str, tokens: int) -> None:
+    budget.left += tokens
+    control.released(lease)
+
+
+async def test_a_higher_band_kept_out_by_capacity_evicts_the_lowest_newest_sheddable() -> None:
+    budget, evicted = Budget(100), []
+    control = _evicting(budget, 100, evicted)
+    for name, priority in (("b0", -1), ("b1", -1), ("c0", -2), ("s0", 0)):
+        await control.admitted(Flow(name, priority=priority), 25, budget.place(name, 25))
+    urgent = asyncio.create_task(control.admitted(Flow("hi", priority=5), 25, budget.place("h", 25)))
+    await asyncio.sleep(0.01)
+    assert evicted == ["c0"]  # the lowest band first; 25 tokens coming cover the 25 it needs
+    await asyncio.sleep(0.12)  # ticks while the eviction's room is coming: nothing more ends
+    assert evicted == ["c0"] and control.snapshot()["evicted"] == 1
+    _ends(budget, control, "c0", 25)
+    assert await urgent == Local(200, b"h")
+    big = asyncio.create_task(control.admitted(Flow("hi", priority=5), 50, budget.place("h2", 50)))
+    await asyncio.sleep(0.01)
+    assert evicted == ["c0", "b1", "b0"]  # newest first, two for the 50 it needs; never band 0
+    for lease in ("b1", "b0"):
+        _ends(budget, control, lease, 25)
+    assert await big == Local(200, b"h2")
+
+
+async def test_eviction_ends_no_more_than_allowed_and_nothing_of_its_own_band() -> None:
+    budget, evicted = Budget(100), []
+    control = _evicting(budget, 100, evicted, max_evictions_per_decision=1)
+    for name in ("b0", "b1", "b2", "b3"):
+        await control.admitted(Flow(name, priority=-1), 25, budget.place(name, 25))
+    same_band = asyncio.create_task(control.admitted(Flow("other", priority=-1), 25, budget.place("o", 25)))
+    await asyncio.sleep(0.01)
+    assert evicted == []  # sheddable work never evicts its own band
+    urgent = asyncio.create_task(control.admitted(Flow("hi", priority=0), 50, budget.place("h", 50)))
+    await asyncio.sleep(0.01)
+    assert evicted == ["b3"]  # one per decision; the next tick ends the next
+    await asyncio.sleep(0.1)
+    assert evicted == ["b3", "b2"]
+    for lease in ("b3", "b2"):
+        _ends(budget, control, lease, 25)
+    assert await urgent == Local(200, b"h")
+    same_band.cancel()
+
+
+async def test_off_nothing_is_evicted_and_a_stream_with_nothing_left_is_not_counted() -> None:
+    budget, evicted = Budget(50), []
+    control = _evicting(budget, 50, evicted)
+    control.evict = lambda lease, error: None  # its answer had already ended
+    for name in ("b0", "b1"):
+        await control.admitted(Flow(name, priority=-1), 25, budget.place(name, 25))
+    urgent = asyncio.create_task(control.admitted(Flow("hi", priority=1), 25, budget.place("h", 25)))
+    await asyncio.sleep(0.05)
+    assert control.snapshot()["evicted"] == 0
+    _ends(budget, control, "b1", 25)
+    assert await urgent == Local(200, b"h")
+    plain = Budget(50)
+    off = _sharing(plain, 50)
+    off.evict = lambda lease, error: pytest.fail("evicted with eviction off")
+    await off.admitted(Flow("b", priority=-1), 50, plain.place("b", 50))
+    waiter = asyncio.create_task(off.admitted(Flow("hi", priority=1), 25, plain.place("h", 25)))
+    await asyncio.sleep(0.05)
+    _ends(plain, off, "b", 50)
+    assert await waiter == Local(200, b"h")
+
+
+class _SlowDerender:
+    """A stream derender whose next chunk takes until `go` is set."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.done = False
+
+    async def feed(self, raw: bytes) -> bytes:
+        await self.go.wait()
+        return b"data: late\n\n"
+
+    async def finish(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+
+async def test_a_stream_interrupted_while_a_chunk_derenders_sends_nothing_after_its_end() -> None:
+    """An eviction lands while the engine's last chunk is being derendered: the eviction
+    notice is the stream's end, and the derendered chunk is not sent after it (Envoy would
+    reset the client's stream: the client saw a protocol error)."""
+    derender = _SlowDerender()
+    handler = StreamResponse(derender)  # type: ignore[arg-type]
+    outs: list[object] = []
+
+    async def body() -> None:
+        outs.extend([out async for out in handler.on_body(b"data: {}\n\n", False)])
+
+    task = asyncio.create_task(body())
+    await asyncio.sleep(0.01)
+    notice = handler.interrupted(QueueRefusal("request evicted by flow control", "evicted", 1))
+    derender.go.set()
+    await task
+    assert isinstance(notice, Chunk) and notice.end and b'"code":"evicted"' in notice.data
+    assert outs == [] and handler.done
