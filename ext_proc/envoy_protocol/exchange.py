@@ -45,7 +45,7 @@ class Exchange(EnvoyStream):
         self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
         self.record = services.observability.begin(self.request_id)
         self.plan: Plan | None = None  # (flow control finds a request to evict by its legs' leases)
-        self.leases: list[str] = []
+        self._leases: list[str] = []
         self._handler: ResponseHandler | None = None
         self._owned: OwnedAnswer | None = None
         self._verdict = Verdict()
@@ -66,7 +66,7 @@ class Exchange(EnvoyStream):
         self._s.triggers.forget(routed_lease or "")
         self.record.leg_done(routed_lease or "", self._verdict.served_by, self._verdict.failed)
         self.record.finish(cancelled=not self.record.complete)
-        for lease in self.leases:
+        for lease in self._leases:
             verdict = self._verdict if lease == routed_lease else Verdict()
             self._s.planner.finish(lease, verdict.failed, verdict.served_by)
         if self._owned is not None:
@@ -163,10 +163,10 @@ class Exchange(EnvoyStream):
         plane, flow = self._gateway.plane, self._flow if isinstance(self._flow, Flow) else None
         content_type = self._headers.get("content-type")
         self._s, plan = await self._s.plan(self._route, content_type, raw, self.request_id, plane, flow)
-        self.plan, self.leases = plan, lease_ids(plan)
+        self.plan, self._leases = plan, lease_ids(plan)
         if isinstance(plan, TokenOnly):
             self.plan = plan = await self._s.routable(plan, self.spawn)
-            self.leases += [lease for lease in lease_ids(plan) if lease not in self.leases]
+            self._leases += [lease for lease in lease_ids(plan) if lease not in self._leases]
         assert not isinstance(plan, Passthrough)  # made from the request headers, never here
         self.record.mark("generate body")
         if isinstance(plan, Owned):
@@ -207,8 +207,8 @@ class Exchange(EnvoyStream):
         return self.interrupt(error)
 
     def interrupt(self, error: GatewayError) -> list[ext_proc_pb.ProcessingResponse]:
-        """The answer ends now (a bug, the drain deadline, an eviction): as an error event and [DONE] once
-        the client has headers, else as the error itself."""
+        """The answer ends now (a bug, the drain deadline, an eviction): as an error event and
+        [DONE] once the client has headers, else as the error itself."""
         if self._owned is not None and self._owned.streaming:
             self._owned.fanout.interrupt(error)  # the writer sends it after what is queued
         if self.mode in (Mode.LOCAL, Mode.OWNED) or (self._handler is not None and self._handler.done):

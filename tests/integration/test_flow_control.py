@@ -220,7 +220,7 @@ def _evicted_by_an_interactive_chat(gw: SimGateway, api: str, stream: bool) -> h
     batch request's answer, once the interactive one was served."""
     gw.restore()
     sim = gw.sims[0]
-    sim.token_delay_s = 0.15  # 20 tokens: 3 s on the engine
+    sim.token_delay_s = 0.1  # 20 tokens: 2 s on the engine
     time.sleep(0.6)  # the last test's flows are no longer active
     sent, cut = len(sim.generate_requests()), sim.streams_cut
     out: list[httpx.Response] = []

@@ -83,7 +83,7 @@ async def test_the_admission_budget_holds_across_workers(workers: SimGateway) ->
     ~610 tokens each, at most 2 admitted per worker (2 × 610 ≤ 1,500 < 3 × 610)."""
     assert [s["scheduler"]["token_budgets"]["global"] for s in _states(workers)] == [BUDGET // 2] * 2
     for sim in workers.sims:
-        sim.token_delay_s = 0.05
+        sim.token_delay_s = 0.01  # 600 tokens: 6 s, while all 8 arrive
     url = workers.base_url + "/v1/chat/completions"
     try:
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
