@@ -82,8 +82,10 @@ class OwnedAnswer:
             complete = True
             tail = b""
             if (error := self.fanout.interrupted) is not None:  # the gateway's own end
-                tail = sse_event(error.body) + DONE_EVENT
-                tail = converter.ended(error.status, error.body) if converter is not None else tail
+                if converter is None:  # a chat or completions stream: its error event as is
+                    tail = sse_event(error.body) + DONE_EVENT
+                else:
+                    tail = converter.ended(error.status, error.body)
             elif converter is not None and self._conversion is not None:
                 tail = converter.convert(framer.flush(), end=True)
                 await self._conversion.finished()
