@@ -126,11 +126,14 @@ class ElasticPool:
 
 
 def idle(instance: InstanceConfig) -> bool:
-    """The engine runs and queues no request (vLLM's own gauges), or does not answer."""
+    """The engine runs and queues no request (vLLM's own gauges), or nothing listens there any
+    more. One too busy to answer within the timeout is not idle."""
     try:
         text = httpx.get(instance.url + "/metrics", timeout=2, trust_env=False).text
-    except httpx.HTTPError:
+    except httpx.ConnectError:
         return True
+    except httpx.HTTPError:
+        return False
     busy = 0.0
     for line in text.splitlines():
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):

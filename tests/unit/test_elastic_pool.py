@@ -4,13 +4,16 @@ files `tito scale` and `tito up` exchange. No processes, no network."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from ext_proc.config import PoolConfig, TitoConfig
+from ext_proc.config import InstanceConfig, PoolConfig, TitoConfig
 from ext_proc.tools.elastic_pool import (
     LOCAL_POOL,
     SCALE_FILE,
@@ -18,6 +21,7 @@ from ext_proc.tools.elastic_pool import (
     ElasticPool,
     dnsmasq_command,
     elastic_by_default,
+    idle,
     read_scale,
     read_state,
     request_scale,
@@ -155,3 +159,38 @@ def test_the_pools_state_round_trips_and_a_missing_or_garbled_one_is_empty(tmp_p
     assert read_state(tmp_path) == state
     (tmp_path / STATE_FILE).write_text('{"union": {"wanted": 1, "listed": [')  # cut short
     assert read_state(tmp_path) == {}
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    """An engine's /metrics: vLLM's two gauges, or no answer within the idle check's timeout."""
+
+    running = 0.0
+    stall_s = 0.0
+
+    def do_GET(self) -> None:
+        time.sleep(self.stall_s)
+        body = f'vllm:num_requests_running{{model_name="tiny"}} {self.running}\nvllm:num_requests_waiting{{model_name="tiny"}} 0.0\n'
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("running", "stall_s", "expected"), [(0.0, 0, True), (3.0, 0, False), (0.0, 3, False)])
+def test_a_draining_engine_is_idle_when_it_runs_nothing_and_not_while_too_busy_to_answer(
+    running: float, stall_s: float, expected: bool
+) -> None:
+    handler = type("Handler", (_Metrics,), {"running": running, "stall_s": stall_s})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        instance = InstanceConfig(host="127.0.0.1", port=port)
+        assert idle(instance) is expected
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert idle(instance)  # nothing listens there any more: gone, so idle
