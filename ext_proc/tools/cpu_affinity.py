@@ -1,4 +1,5 @@
-"""CPU placement of a local CPU vLLM engine: its EngineCore process joins its workers' cores.
+"""CPU placement of local CPU vLLM engines: an EngineCore process joins its workers' cores, and
+engines that serve yield their CPU share to one that starts.
 
 vLLM's CPU worker binds its OpenMP threads to the cores it computes on
 (`VLLM_CPU_OMP_THREADS_BIND=auto`: all but one reserved core) and leaves the rest to the
@@ -10,6 +11,18 @@ way): unbound, 12 of 24 rounds sent most of their events in one burst at the end
 included (E2E p50 up to 4.3 s); bound to the worker's core, 0 of 24 (E2E p50 0.87-1.56 s,
 about what the even unbound rounds took: 0.94-1.39 s). The busy wait yields the core, so the
 worker keeps it when it has work.
+
+Every engine's workers are bound to the same cores (`auto` reserves the last one for the
+rest), so an engine that starts beside one that serves competes with it for them, and loses:
+on 2 cores, beside an engine serving 64 streams, a starting engine's worker got 0-3 % of its
+core (a CPU-bound process in a session of its own got 0 %), and the engine did not start in
+10 minutes. Each engine runs in a session of its own, so Linux's autogroup scheduling weighs
+it as one group. With the serving engine's group at nice 5 the starting worker still got 0 %;
+at 19 it got 72 % and the serving engine's streams stalled; at 10 an engine starts in about a
+minute beside 64 streams (restarts in 32-46 s beside 32). An autogroup's nice, unlike a
+thread's, can be set back to 0 by its owner without privilege. (Engines that all serve share
+their core unevenly too: with three on one core, one made 5000-7800 tokens/s and the others
+under 15 for half a minute; the gateway relays what stalls.)
 """
 
 from __future__ import annotations
@@ -65,3 +78,18 @@ def colocate_engine_core(engine_pid: int) -> dict[int, set[int]]:
             with contextlib.suppress(OSError):  # a thread may end meanwhile
                 os.sched_setaffinity(int(task.name), cpus)
     return cores
+
+
+# The nice value of a serving engine's autogroup while another engine starts (the lowest weight).
+YIELDING_NICE = 10
+
+
+def yield_cpu(session_leader: int, yielding: bool) -> bool:
+    """Set the autogroup of the session `session_leader` leads (an engine: its API server,
+    EngineCore and workers) to the lowest CPU weight, or back to the normal one. False where
+    the kernel has no autogroups (or the process is gone): nothing changes there."""
+    try:
+        (_PROC / str(session_leader) / "autogroup").write_text(f"{YIELDING_NICE if yielding else 0}\n")
+    except OSError:
+        return False
+    return True

@@ -24,7 +24,7 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolC
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.envoy_protocol.endpoints import write_atomically
 from ext_proc.extras import ENGINE, require
-from ext_proc.tools.cpu_affinity import colocate_engine_core
+from ext_proc.tools.cpu_affinity import colocate_engine_core, yield_cpu
 from ext_proc.tools.elastic_pool import (
     DRAIN_MAX_S,
     DRAIN_MIN_S,
@@ -444,6 +444,11 @@ class LocalStack:
             for core_pid, cpus in colocate_engine_core(popen.pid).items():
                 print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
 
+    def yield_cpu(self, name: str, yielding: bool) -> bool:
+        """Engine `name` yields its CPU share to engines starting beside it, or takes it back."""
+        popen = self.processes[name].popen
+        return popen is not None and yield_cpu(popen.pid, yielding)
+
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             process.stop()
@@ -487,8 +492,8 @@ class Supervision:
         self.stack = stack
         self.policy = RestartPolicy(stack.restartable(), backoff)
         self.poll_s = poll_s
-        self.engines = {name for name, _, _ in stack.engines()}
-        self.to_colocate: set[str] = set()  # restarted engines whose EngineCore is not bound yet
+        self.starting: set[str] = set()  # engines (re)started that do not answer yet
+        self.yielding: set[str] = set()  # serving engines that yield their CPU share to those
 
     def run(self, stop: StopSignals) -> int:
         now = time.monotonic()
@@ -514,11 +519,13 @@ class Supervision:
                 print(line, file=sys.stderr, flush=True)
         for name in self.policy.due(now):
             self._restart(name)
-        for name in self.stack.scale(self.policy, now):  # bound once up, as a restarted one
-            if self.stack.config.local.colocate_engine_core:
-                self.to_colocate.add(name)
-        self._colocate_restarted()
+        self.starting |= set(self.stack.scale(self.policy, now))
+        self._settle_started()
+        self._share_cpu()
         return True
+
+    def _engines(self) -> set[str]:
+        return {name for name, _, _ in self.stack.engines()}  # (a scaled pool's change)
 
     def _restart(self, name: str) -> None:
         try:
@@ -526,17 +533,36 @@ class Supervision:
         except OSError as error:  # e.g. no file descriptors left: found dead next time, and retried
             print(f"{name}: restart failed: {error}", file=sys.stderr, flush=True)
         self.policy.started(name, time.monotonic())
-        if name in self.engines and self.stack.config.local.colocate_engine_core:
-            self.to_colocate.add(name)
+        if name in self._engines():
+            self.starting.add(name)
 
-    def _colocate_restarted(self) -> None:
-        """Bind a restarted engine's EngineCore once the engine is up, as `start` did at first."""
-        for name in sorted(self.to_colocate):
-            if not self.stack.processes[name].alive():
-                self.to_colocate.discard(name)  # exited again: its next restart adds it back
+    def _settle_started(self) -> None:
+        """An engine (re)started that answers now: its EngineCore bound, as `start` did at first."""
+        for name in sorted(self.starting):
+            process = self.stack.processes.get(name)
+            if process is None or not process.alive():
+                self.starting.discard(name)  # exited (or scaled away): a restart adds it back
             elif self.stack.engine_ready(name):
-                self.stack.colocate(name)
-                self.to_colocate.discard(name)
+                if self.stack.config.local.colocate_engine_core:
+                    self.stack.colocate(name)
+                self.starting.discard(name)
+
+    def _share_cpu(self) -> None:
+        """While an engine starts, the engines that serve yield it their CPU share; they take it
+        back once none starts (why: ext_proc/tools/cpu_affinity.py). A line for each change."""
+        serving = {n for n in self._engines() - self.starting if n in self.stack.processes}
+        wanted = serving if self.starting and self.stack.config.local.yield_to_starting_engines else set()
+        given = [name for name in sorted(wanted - self.yielding) if self.stack.yield_cpu(name, True)]
+        back = sorted(self.yielding - wanted)
+        for name in back:
+            if name in self.stack.processes:
+                self.stack.yield_cpu(name, False)
+        self.yielding = (self.yielding | set(given)) - set(back)
+        if given:
+            starting = ", ".join(sorted(self.starting))
+            print(f"{', '.join(given)}: CPU share yielded while {starting} starts", file=sys.stderr, flush=True)
+        if back:
+            print(f"{', '.join(back)}: full CPU share again", file=sys.stderr, flush=True)
 
 
 def run_up(config: TitoConfig) -> int:

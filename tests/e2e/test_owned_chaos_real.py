@@ -2,8 +2,8 @@
 streams): one real CPU engine of two SIGKILLed under 16 concurrent greedy streams, on the
 `two_engines` stack (relay on). Every stream completes as a client expects (finish `length`,
 its usage, one `[DONE]`, no error event), those on the killed engine relayed; nothing is
-leaked; `tito up` restarts the engine itself and it routes again (the streams pause for the
-restart here: under load it takes minutes on 2 cores). Runs just before the relay test
+leaked; `tito up` restarts the engine itself, under the load, with the other engine yielding
+its CPU share while it starts, and it routes again. Runs just before the relay test
 (test_owned_real.py sorts after this file), which kills an engine of this stack and leaves
 its restart running."""
 
@@ -23,17 +23,18 @@ def test_an_engine_killed_under_load_is_restarted_and_nothing_is_lost(two_engine
     stack = fleet_soak.Stack(two_engines.config, two_engines.process, run_dir(two_engines.config))
     victim = two_engines.config.pools[0].instances[0]
 
-    def restarts() -> int:  # `tito up`'s lines for engine0 (the relay test may have killed it before)
-        return sum("engine0 exited with signal SIGKILL; restart" in line for line in list(two_engines.output))
+    def lines(text: str) -> int:  # `tito up`'s lines (the relay test may have killed engine0 before)
+        return sum(text in line for line in list(two_engines.output))
 
-    before = restarts()
-    # (the streams pause while the engine restarts: see fleet_soak.chaos)
-    chaos = fleet_soak.chaos(
-        stack, streams=16, max_tokens=64, cycles=1, victim=victim.address, restart_under_load=False
+    restarted, yielded = (
+        "engine0 exited with signal SIGKILL; restart",
+        "engine1: CPU share yielded while engine0 starts",
     )
-    result = asyncio.run(chaos)
+    before = [lines(restarted), lines(yielded), lines("engine1: full CPU share again")]
+    result = asyncio.run(fleet_soak.chaos(stack, streams=16, max_tokens=64, cycles=1, victim=victim.address))
     tally: fleet_soak.Tally = result["tally"]
     assert not tally.lost and tally.completed == tally.started > 16, (tally, result)
     assert result["kills"] == 1 and result["relays"] >= 1, result
     assert not any(result["leaks"].values()), result["leaks"]
-    assert restarts() == before + 1, two_engines.output[-20:]
+    after = [lines(restarted), lines(yielded), lines("engine1: full CPU share again")]
+    assert after == [n + 1 for n in before], two_engines.output[-20:]
