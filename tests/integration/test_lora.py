@@ -123,16 +123,18 @@ def test_an_alias_is_the_base_and_an_unknown_model_is_natives_404(gw: SimGateway
 
 
 def test_an_adapter_no_engine_lists_is_loaded_once_where_it_goes(gw: SimGateway) -> None:
+    # as many at once as one instance takes before a hot adapter spreads (spread_requests: a
+    # fourth in flight together may go to, and load on, a second instance, as it should)
     answers: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: answers.append(_chat(gw, "sql"))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: answers.append(_chat(gw, "sql"))) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert [a.status_code for a in answers] == [200] * 4 and {a.json()["model"] for a in answers} == {"sql"}
+    assert [a.status_code for a in answers] == [200] * 3 and {a.json()["model"] for a in answers} == {"sql"}
     loaded = [sim for sim in gw.sims if sim.loaded]
     assert len(loaded) == 1 and loaded[0].loaded == ["sql"]  # one load, on one instance
-    assert _generated(gw)[loaded[0].address] == ["sql"] * 4
+    assert _generated(gw)[loaded[0].address] == ["sql"] * 3
 
 
 def _streams(gw: SimGateway, requests: list[tuple[str, int]], gap_s: float) -> None:
