@@ -34,6 +34,9 @@ class BreakerSettings(Section):
     failure_threshold: int = 3  # consecutive engine failures that open an instance's breaker
     base_cooldown_s: float = 5.0  # first open period; doubles after each failed half-open probe
     max_cooldown_s: float = 60.0
+    # Every breaker of a pool open: route as if none were (Envoy's panic routing) instead of
+    # refusing every request with 503 until a half-open probe succeeds.
+    panic_when_all_open: bool = True
 
 
 class SchedulerConfig(Section):

@@ -202,6 +202,7 @@ def build_services(
         observability = Observability(tracer=tracer, stages=StageProfile() if config.processor.profile_stages else None)
     membership = Membership(config, scheduler, capabilities, instance_work(config, scheduler, http))
     planner.on_breaker = observability.breaker_changed
+    planner.on_panic = observability.breaker_panic
     planner.flow.on_outcome = observability.metrics.flow_outcome
     planner.on_tenant_tokens = lambda tenant, tokens: observability.metrics.tenant_tokens.labels(tenant).inc(tokens)
     planner.quota = first.planner.quota if first is not None else token_quota(config)

@@ -66,6 +66,8 @@ class Pick:
     # the chosen instance does not list the request's adapter: load it there first (or let the
     # engine resolve it); its fallbacks do not list it either
     loads_adapter: bool = False
+    # every instance that could serve it had its breaker open: picked as if none were
+    panic: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -262,8 +264,12 @@ class Scheduler:
         role: Role = Role.UNION,
         exclude: Iterable[str] = (),
         needs: Capability | None = None,
+        panic: bool = False,
     ) -> Pick | Rejection:
-        """The best instance of the role's pool for this leg, or why there is none."""
+        """The best instance of the role's pool for this leg, or why there is none.
+
+        `panic`: when every breaker that could serve it is open, pick as if none were (Envoy's
+        panic routing; the caller's last resort, the Pick says so) instead of refusing."""
         pool = self.pools.get(role)
         skip = set(exclude)
         eligible = [
@@ -287,7 +293,10 @@ class Scheduler:
             needed = self._context(request)
             return Rejection(400, f"the request needs {needed} tokens of context; the engines hold at most {limit}")
         healthy = [(n, i) for n, i in fits if self.breakers[i.address].allows(now)]
-        if not healthy:
+        panic = panic and not healthy
+        if panic:
+            healthy = fits
+        elif not healthy:
             return Rejection(503, f"no healthy {role.value} engine instance (all circuit breakers open)")
         demand = request.demand
         if not self.ledger.global_room(demand):
@@ -307,7 +316,9 @@ class Scheduler:
         ranked = self._by_adapter_tier(request, self.policy.rank(candidates, len(request.prompt_token_ids)))
         chosen = ranked[0]
         fallbacks = tuple(c.instance for c in ranked[1 : 1 + self.max_fallbacks])
-        return Pick(request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now, loads_adapter)
+        return Pick(
+            request, role, chosen.instance, fallbacks, chosen.matched_tokens, tuple(hashes), now, loads_adapter, panic
+        )
 
     @staticmethod
     def _hashes(index: PrefixIndex, request: ScheduleRequest) -> list[int]:

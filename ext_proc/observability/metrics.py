@@ -250,6 +250,9 @@ class Metrics:
         self.breaker_transitions = counter(
             "tito_breaker_transitions", "engine breaker state changes", ("instance", "state")
         )
+        self.breaker_panics = counter(
+            "tito_breaker_panics", "legs routed with every breaker of their pool open (panic routing)", ("role",)
+        )
         self.admission_rejections = counter("tito_admission_rejections", "requests refused by admission", ("code",))
         self.relays = counter("tito_relays", "engine streams replaced mid-answer (reschedule)")
         self.prefix_matched_tokens = counter(

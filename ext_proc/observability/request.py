@@ -59,6 +59,7 @@ class Observability:
         self.metrics = metrics or Metrics()
         self.tracer = tracer
         self.stages = stages  # CPU per request stage (`processor.profile_stages`; off: None)
+        self._panicking: set[str] = set()  # pools whose panic routing was logged
 
     def begin(self, request_id: str) -> RequestRecord:
         """A new request's record, current in this context and the tasks it starts."""
@@ -69,6 +70,16 @@ class Observability:
     def breaker_changed(self, instance: str, state: str) -> None:
         self.metrics.breaker_transitions.labels(instance, state).inc()
         stage("breaker", "-", logging.WARNING if state == "open" else logging.INFO, instance=instance, state=state)
+        if state == "closed":
+            self._panicking.clear()  # a closed breaker: the next panic is news again
+
+    def breaker_panic(self, role: str) -> None:
+        """A leg routed with every breaker of its pool open: counted each time, logged once
+        until a breaker closes (a line per request would flood the log)."""
+        self.metrics.breaker_panics.labels(role).inc()
+        if role not in self._panicking:
+            self._panicking.add(role)
+            stage("breaker", "-", logging.WARNING, pool=role, state="panic")
 
     def render_attempt(self, endpoint: str, seconds: float, outcome: str) -> None:
         """One render on one endpoint of the render pool: ok, rejected or why it failed."""

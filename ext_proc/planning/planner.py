@@ -92,6 +92,7 @@ class Planner:
         self.catalog = catalog or ModelCatalog(config.model)
         self._clock = clock
         self.on_breaker: Callable[[str, str], None] | None = None  # (instance, new state)
+        self.on_panic: Callable[[str], None] | None = None  # (role) picked with every breaker open
         self.on_engine_failed: Callable[[str], None] | None = None  # (instance) it failed a leg
         self.loop_lag_ms: Callable[[], float] = lambda: 0.0  # the processor's recent event-loop lag
         # `lora.on_missing: load`: loads an adapter on an instance (fleet/lora.py)
@@ -278,14 +279,26 @@ class Planner:
 
     def _leg(self, tried: tuple[Shape, ...], asks: _Asks, now: float, exclude: tuple[str, ...] = ()) -> Leg | Rejection:
         """The first of the shapes (`topology.shapes`) that places the prompt, its legs
-        committed, or why none did. The prefill leg is picked once (its refusal ends
+        committed, or why none did. When none did for want of a healthy instance, the shapes
+        once more with panic routing (`scheduler.breaker.panic_when_all_open`): a pool whose
+        every breaker is open is routed as if none were, as Envoy does below its healthy panic
+        threshold. Only as a last resort, so an open prefill pool still falls to union first."""
+        leg = self._first_shape(tried, asks, now, exclude, panic=False)
+        if isinstance(leg, Rejection) and leg.status == 503 and self._config.scheduler.breaker.panic_when_all_open:
+            return self._first_shape(tried, asks, now, exclude, panic=True)
+        return leg
+
+    def _first_shape(
+        self, tried: tuple[Shape, ...], asks: _Asks, now: float, exclude: tuple[str, ...], panic: bool
+    ) -> Leg | Rejection:
+        """One pass over the shapes. The prefill leg is picked once (its refusal ends
         pairing); a refused decode leg falls to the next shape."""
         prefill: Pick | Rejection | None = None
         unpaired: Rejection | None = None
         refused: Rejection | None = None  # the last instance that would have served alone
         for shape in tried:
             if isinstance(shape, Alone):
-                picked = self.scheduler.pick(asks.alone, now, shape.role, exclude=exclude, needs=shape.needs)
+                picked = self.scheduler.pick(asks.alone, now, shape.role, exclude, shape.needs, panic)
                 if isinstance(picked, Rejection):
                     refused = picked
                     continue
@@ -294,12 +307,12 @@ class Planner:
             if isinstance(prefill, Rejection):
                 continue  # no prefill leg: no pair
             if prefill is None and (isinstance(shape, PrefillFirst) or shape.mode is Capability.HANDOFF):
-                prefill = self.scheduler.pick(asks.prefill, now, Role.PREFILL, exclude=exclude)
+                prefill = self.scheduler.pick(asks.prefill, now, Role.PREFILL, exclude, panic=panic)
                 if isinstance(prefill, Rejection):
                     unpaired = prefill
                     continue
             if isinstance(shape, Pair):
-                decode = self.scheduler.pick(asks.decode, now, Role.DECODE, exclude=exclude, needs=shape.mode)
+                decode = self.scheduler.pick(asks.decode, now, Role.DECODE, exclude, shape.mode, panic)
                 if not isinstance(decode, Rejection):
                     return self._paired(asks, shape.mode, decode, prefill)
                 unpaired = decode
@@ -321,6 +334,8 @@ class Planner:
     def _commit_pick(self, pick: Pick) -> Decision:
         """Commit a leg; its request's record learns how much of the prompt the instance held."""
         decision = self.scheduler.commit(pick)
+        if pick.panic and self.on_panic is not None:
+            self.on_panic(pick.role.value)
         record = current()
         if record is not None:
             record.committed(decision.request_id, decision.matched_tokens)

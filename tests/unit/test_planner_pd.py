@@ -4,6 +4,7 @@ native path (501 under token obfuscation), and errors that say no pair was found
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRe
 from ext_proc.server import build_scheduler
 from scheduler import Role
 
-PREFILL, DECODE = "127.0.0.1:8201", "127.0.0.1:8202"
+UNION, PREFILL, DECODE = "127.0.0.1:8200", "127.0.0.1:8201", "127.0.0.1:8202"
 
 
 def planner(decode_capabilities: list[str], **sections: Any) -> Planner:
@@ -84,3 +85,41 @@ def test_without_a_pair_the_error_says_so_even_with_every_breaker_closed() -> No
     message = rejected.value.message
     assert rejected.value.status == 503 and message.startswith("no prefill/decode pair available: no prefill")
     assert "tokenizer mismatch" in message and "circuit breakers" not in message
+
+
+def test_panic_routing_is_the_last_resort_after_every_shape() -> None:
+    """Prefill breakers open: the prompt is served alone by union, no panic. Union's open too:
+    rather than a 503, the pair is placed as if no breaker were open, and the planner says so."""
+    pools = [
+        {"name": "union", "role": "union", "instances": [{"port": 8200}]},
+        {"name": "prefill", "role": "prefill", "instances": [{"port": 8201}]},
+        {"name": "decode", "role": "decode", "instances": [{"port": 8202}]},
+    ]
+    config = TitoConfig.model_validate({"pools": pools, "scheduler": {"prefix_source": "routing"}})
+    pd = Planner(config, None, build_scheduler(config))  # type: ignore[arg-type]
+    panics: list[str] = []
+    pd.on_panic = panics.append
+
+    def open_breaker(address: str) -> None:
+        for _ in range(config.scheduler.breaker.failure_threshold):
+            pd.scheduler.breakers[address].record_failure(time.monotonic())
+
+    open_breaker(PREFILL)
+    [alone] = pd.place(batch(1), b"{}").legs  # type: ignore[union-attr]
+    assert (alone.role, alone.hosts, alone.prefill, panics) == (Role.UNION, (UNION,), None, [])
+    open_breaker(UNION)
+    [prefill, decode] = pd.place(batch(1), b"{}").legs  # type: ignore[union-attr]
+    assert (prefill.role, prefill.hosts, decode.role, decode.hosts) == (
+        Role.PREFILL,
+        (PREFILL,),
+        Role.DECODE,
+        (DECODE,),
+    )
+    assert panics == ["prefill"]
+    off = TitoConfig.model_validate(
+        {"pools": pools, "scheduler": {"prefix_source": "routing", "breaker": {"panic_when_all_open": False}}}
+    )
+    strict = Planner(off, None, pd.scheduler)  # type: ignore[arg-type]
+    with pytest.raises(GatewayError) as refused:
+        strict.place(batch(1), b"{}")
+    assert refused.value.status == 503 and "circuit breakers open" in refused.value.message

@@ -13,6 +13,7 @@ from scheduler import (
     Decision,
     KvCacheAffinity,
     LoadBalance,
+    Pick,
     Pool,
     PrefixIndex,
     Rejection,
@@ -245,12 +246,23 @@ def test_scheduler_routes_around_open_breakers_and_probes_later() -> None:
     assert snapshot_breaker(scheduler, "a:1") == "closed"
 
 
-def test_all_breakers_open_is_503() -> None:
-    scheduler = Scheduler([_pool(["a:1"])], RoundRobin(), breaker=BreakerConfig(failure_threshold=1))
-    _decide(scheduler, "r1", [1])
-    scheduler.finish("r1", 0.0, failed=["a:1"])
-    rejected = scheduler.schedule(ScheduleRequest("r2", [1], 1), 0.5)
-    assert isinstance(rejected, Rejection) and rejected.status == 503
+def test_all_breakers_open_is_503_and_routes_when_panic_is_asked() -> None:
+    """Every breaker open: refused, unless the caller asks for Envoy's panic routing (its last
+    resort); then picked as if none were open, the Pick says so, and a success closes it."""
+    scheduler = Scheduler([_pool(["a:1", "b:2"])], RoundRobin(), breaker=BreakerConfig(failure_threshold=1))
+    for address in ("a:1", "b:2"):
+        decision = _decide(scheduler, f"f-{address}", [1])
+        scheduler.finish(decision.request_id, 0.0, failed=[address])
+    assert {snapshot_breaker(scheduler, a) for a in ("a:1", "b:2")} == {"open"}
+    refused = scheduler.schedule(ScheduleRequest("r1", [1], 1), 0.5)
+    assert refused == Rejection(503, "no healthy union engine instance (all circuit breakers open)")
+    picked = scheduler.pick(ScheduleRequest("r2", [1], 1), 0.5, panic=True)
+    assert isinstance(picked, Pick) and picked.panic and len(picked.hosts) == 2
+    decision = scheduler.commit(picked)
+    scheduler.finish(decision.request_id, 0.6, served_by=picked.instance.address)
+    assert snapshot_breaker(scheduler, picked.instance.address) == "closed"
+    calm = scheduler.pick(ScheduleRequest("r3", [1], 1), 0.7, panic=True)
+    assert isinstance(calm, Pick) and not calm.panic and calm.hosts == (picked.instance.address,)
 
 
 def test_passthrough_takes_no_lease_no_probe_and_avoids_open_breakers() -> None:
