@@ -128,11 +128,20 @@ def _base_ready(services: Services) -> dict[str, bool]:
     now = time.monotonic()  # the planner's clock
     return {
         "tokenization": render_up or fallback,
-        # an engine whose cool-down is over counts: the next request is its probe
-        "engines": any(not b.is_open(now) for b in services.scheduler.breakers.values()),
+        "engines": _engines_ready(services, now),
         # every pool has an engine whose capability record lets it route
         "capabilities": services.capabilities is None or services.capabilities.ready(),
     }
+
+
+def _engines_ready(services: Services, now: float) -> bool:
+    """Some engine takes requests: its breaker is closed or its cool-down is over (the next
+    request is its probe), or with panic routing any engine at all (every breaker open, the
+    gateway still routes; readiness says the same, so replicas are not all taken out at once)."""
+    breakers = services.scheduler.breakers.values()
+    if services.config.scheduler.breaker.panic_when_all_open:
+        return bool(breakers)
+    return any(not b.is_open(now) for b in breakers)
 
 
 def _respond(status: str, content_type: str, body: bytes) -> bytes:
