@@ -125,7 +125,7 @@ class SqliteResponseStore:
         try:
             # WAL: readers never wait for the writer, and a put commits without rewriting
             # pages; NORMAL sync is safe with WAL (a power cut may lose the last puts only).
-            db.execute("PRAGMA journal_mode=WAL")
+            _to_wal(db)
             db.execute("PRAGMA synchronous=NORMAL")
             with _transaction(db):  # several workers may open a new file at once
                 version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -181,6 +181,22 @@ class SqliteResponseStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def _to_wal(db: sqlite3.Connection) -> None:
+    """`PRAGMA journal_mode=WAL`, retried until the busy timeout. The switch writes from
+    inside a read, and SQLite then refuses at once ("database is locked", no busy handler)
+    while another connection writes: two workers opening a new file at once (2-9 in 200
+    concurrent opens on 2 busy cores)."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)  # on the store's own thread, never the event loop
 
 
 @contextlib.contextmanager

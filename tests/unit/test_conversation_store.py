@@ -111,6 +111,23 @@ async def test_sqlite_two_workers_share_one_file(tmp_path: Path) -> None:
         assert await one.delete("resp_100") is False
 
 
+async def test_sqlite_opens_a_file_another_worker_is_writing(tmp_path: Path) -> None:
+    """Switching to WAL inside a read, SQLite refuses at once ("database is locked", no busy
+    timeout) while another connection writes: as when two workers open a new file at once.
+    The store retries until the other commits, and opens."""
+    path = tmp_path / "responses.sqlite3"
+    store = SqliteResponseStore(str(path), DAY, 100)
+    async with closing(store):
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("CREATE TABLE other_worker (x)")
+            opened = asyncio.create_task(store.get("resp_0"))
+            await asyncio.sleep(0.2)
+            assert not opened.done()
+            other.execute("COMMIT")
+            assert await asyncio.wait_for(opened, 10) is None
+
+
 async def test_sqlite_waits_for_another_writer_without_blocking_the_loop(tmp_path: Path) -> None:
     """Another process holds the write lock: the put waits (busy timeout) on the store's
     thread while the loop keeps running, and completes once the lock is released. Had the put
