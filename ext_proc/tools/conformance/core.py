@@ -274,9 +274,11 @@ def native_then_gateway(
     max_reported: int,
 ) -> CaseResult:
     """Native first (it must show the case's feature), then the gateway, then the comparison.
-    The usage's cached tokens depend on the engine's prefix cache, which native's answer has
-    just filled: when the answers differ, native is asked again, seeing the cache as the
-    gateway's answer saw it, and the gateway's answer must equal that one."""
+    When the answers differ, native is asked again, and the gateway's answer must equal that
+    one: the usage's cached tokens depend on the engine's prefix cache, which native's first
+    answer has just filled; and a loaded native API server may hand its parsers several
+    engine steps at once, which can split a stream's reasoning and content otherwise
+    (vllm#41691; the gateway parses one token per step, as unloaded native does)."""
     native = fetch(native_url)
     broken = unexercised(expect, native)
     if broken:
