@@ -25,6 +25,10 @@ class EnvoyStream:
         # A processor-owned answer ends the call itself (`end`), whenever Envoy's side ends.
         self.ends_itself = False
         self._reader_done = False
+        # Replies ending an answer from outside (`end_now`) with a body piece before Envoy has
+        # streamed any response body: Envoy would call the reply spurious and reset the
+        # client's stream, so they wait for its first body message. None: it streams one.
+        self._before_body: list[ext_proc_pb.ProcessingResponse] | None = []
 
     def on_message(self, message: ext_proc_pb.ProcessingRequest) -> Replies:
         raise NotImplementedError
@@ -43,7 +47,10 @@ class EnvoyStream:
         if self._closed or self.answered:
             return False
         for reply in self.interrupt(error):
-            self.outbox.put_nowait(reply)
+            if reply.HasField("response_body") and self._before_body is not None:
+                self._before_body.append(reply)
+            else:
+                self.outbox.put_nowait(reply)
         return True
 
     def release(self) -> None:
@@ -84,6 +91,10 @@ class EnvoyStream:
     async def _read(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
         try:
             async for message in messages:
+                if message.HasField("response_body") and self._before_body is not None:
+                    held, self._before_body = self._before_body, None
+                    for reply in held:  # (its handler is done: nothing else answers the message)
+                        self.outbox.put_nowait(reply)
                 try:
                     async for reply in self.on_message(message):
                         self.outbox.put_nowait(reply)

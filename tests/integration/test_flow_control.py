@@ -215,12 +215,14 @@ def _batch(gw: SimGateway, api: str, stream: bool, out: list[httpx.Response]) ->
     return thread
 
 
-def _evicted_by_an_interactive_chat(gw: SimGateway, api: str, stream: bool) -> httpx.Response:
+def _evicted_by_an_interactive_chat(gw: SimGateway, api: str, stream: bool, ttft_s: float = 0.0) -> httpx.Response:
     """A batch request on the engine (the budget holds one), then an interactive chat: the
-    batch request's answer, once the interactive one was served."""
+    batch request's answer, once the interactive one was served. `ttft_s`: the engine's
+    response headers go at once, its first token that much later."""
     gw.restore()
     sim = gw.sims[0]
     sim.token_delay_s = 0.1  # 20 tokens: 2 s on the engine
+    sim.ttft_s = ttft_s
     time.sleep(0.6)  # the last test's flows are no longer active
     sent, cut = len(sim.generate_requests()), sim.streams_cut
     out: list[httpx.Response] = []
@@ -264,6 +266,19 @@ def test_a_sheddable_stream_is_evicted_for_a_higher_band_and_told_so(path: str, 
     assert orjson.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"  # it had started
     after = metric(evicting.metrics(), "tito_flow_requests_total", band="-1", outcome="evicted")
     assert after == before + 1 and evicting.state()["flow"]["evicted"] >= 1
+
+
+@pytest.mark.parametrize("path", ["evicting", "evicting_owned"], ids=["routed", "owned"])
+def test_a_stream_evicted_before_its_first_token_still_ends_with_the_notice(
+    path: str, request: pytest.FixtureRequest
+) -> None:
+    """The client has the engine's headers, the engine no token yet: Envoy would reset the
+    client's stream on a body reply before it streams any body, so the notice waits for it."""
+    answer = _evicted_by_an_interactive_chat(request.getfixturevalue(path), "chat", stream=True, ttft_s=2.0)
+    assert answer.status_code == 200
+    events = [e.removeprefix("data: ") for e in answer.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert orjson.loads(events[-2])["error"]["code"] == "evicted"
 
 
 def test_an_answer_not_yet_started_is_evicted_as_a_429_with_retry_after(evicting: SimGateway) -> None:
