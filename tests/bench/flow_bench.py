@@ -1,7 +1,7 @@
 """Flow control on `tito up` with a real CPU engine: fair share, priority bands and tenants'
 tokens per minute, measured as clients see them (figures printed, not a timed test).
 
-    python -m tests.bench.flow_bench [fairness|priority|quota|all]   # default all
+    python -m tests.bench.flow_bench [fairness|priority|quota|all] [--rounds 3]   # default all
 
 One `tito up` for every scenario: the default local pool (one CPU vLLM engine, the tiny
 model), two processor workers, a global token budget of 360 tokens (4 requests of a
@@ -9,16 +9,22 @@ model), two processor workers, a global token budget of 360 tokens (4 requests o
 60 s and 16 requests per worker (the priority phase fills it), flows active for 5 s, API keys of six tenants (`quiet`,
 `noisy`, `hi` priority 10, `std`, `batch` priority -1, `metered` 3000 tokens per minute) and
 a real redis-server for the quotas (fail mode `local`). Every request is a streamed chat with
-its tenant's key (`ignore_eos`: it always takes max_tokens), sent by closed-loop workers over
-one connection pool (a worker's next request as its last one ends; after a refusal it pauses
-0.5 s first); a request that raises or has not ended after 120 s is LOST.
+its tenant's key (`ignore_eos`: it always takes max_tokens), sent by closed-loop workers (a
+worker's next request as its last one ends; after a refusal it pauses 0.5 s first); each
+tenant's workers run in a client process of their own, so one tenant's stream parsing never
+delays the clock of another's requests. A request that raises or has not ended after 120 s is LOST.
 
 Printed, each target as `PASS`/`FAIL target: value`:
-- fairness: `quiet` alone (TTFT p50, p99); beside `noisy`'s 10 workers (its TTFT ratios to
-  alone, target <= 1.5); both backlogged (12 and 6 workers: tokens served per tenant in the
-  middle 40 s, each share within 0.5 +- 10 %, Jain's index >= 0.95).
-- priority: `hi` alone (TTFT p99); beside `std` x 8 and `batch` x 40 (its TTFT p99 ratio,
-  target <= 1.3; statuses per tenant; only `batch` refused or evicted, with
+- fairness, in `--rounds` interleaved rounds (alone, then beside the flood: the machine's
+  drift weighs on both): `quiet` alone for 15 s (TTFT p50, p99); then `noisy`'s 10 workers
+  for 20 s, which `quiet` joins 3 s in: its TTFT ratios to alone (target <= 1.5) over its
+  requests from 1 s after it joined (its first ones, printed apart, met the flood holding the
+  whole budget and waited for one of its requests to end); both backlogged once (12 and 6
+  workers, 60 s: tokens served per tenant in the middle 40 s, each share within 0.5 +- 10 %,
+  Jain's index >= 0.95).
+- priority, in interleaved rounds too: `hi` alone for 15 s (TTFT p99); then `std` x 8 and
+  `batch` x 40 for 25 s, which `hi` joins 5 s in (its TTFT p99 ratio, target <= 1.3, from
+  1 s after it joined; statuses per tenant; only `batch` refused or evicted, with
   `admission.evict_sheddable` on; every request answered: served, 429 with Retry-After, or
   a stream ended by its eviction notice).
 - quota: `metered` x 4 (max_tokens 16) for 130 s from a minute's start, Redis stopped at 70 s
@@ -28,9 +34,9 @@ Printed, each target as `PASS`/`FAIL target: value`:
 - the end: what every worker's `/debug/state` holds once all requests ended (no leaks).
 
 Each phase also prints where the time went: the processors' admission queue (per band: how
-many waited, for how long, from `/metrics`), the engine's own TTFT (vLLM's `/metrics`), and
+many waited, for how long, from `/metrics`), the engine's own TTFT (vLLM's `/metrics`),
 every worker's `/debug/state` sampled every 5 s (queued per band, oldest wait, admitted
-tokens). The samples are kept in `states.jsonl` of the bench's folder, every request's
+tokens), and how busy each core was (`/proc/stat`). The samples are kept in `states.jsonl` of the bench's folder, every request's
 figures in `results.jsonl`. `tito up`'s smoke request carries the `std` key (`TITO_API_KEY`).
 """
 
@@ -42,12 +48,14 @@ import contextlib
 import itertools
 import json
 import math
+import multiprocessing
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +82,14 @@ PROCESSORS = 2  # processor workers
 QUEUE_TIMEOUT_S = 60
 QUEUE_MAX_REQUESTS = 16  # per worker: the priority phase's 49 clients fill it (sheddable work is shed)
 FLOW_ACTIVE_S = 5
+ROUNDS = 3  # interleaved rounds: quiet phase, loaded phase
+ALONE_S, FLOOD_S = 15, 20  # fairness: `quiet` alone; beside `noisy`'s flood
+JOIN_S = 3  # `quiet` joins the flood this long after `noisy` started it
+JOINED_S = 1  # then its TTFT is measured from this long after it joined (its first requests
+# found the budget held by the flood, whose flow was the only active one: they wait for one of
+# its requests to end, as on any non-preemptive fair queue; printed apart)
+UNLOADED_S, SATURATED_S = 15, 25  # priority: `hi` alone; beside `std` and `batch`
+SATURATE_S = 5  # `hi` joins once `batch` has filled the queue
 LOST_AFTER_S = 120
 SAMPLE_S = 5  # /debug/state sampling period
 REFUSED_PAUSE_S = 0.5  # a worker's pause after a refusal (429s come back at once)
@@ -179,11 +195,13 @@ async def closed_loop(
     t0: float,
     until: float | None,
     requests: int | None,
+    start_s: float = 0.0,
 ) -> list[Result]:
     """`workers` clients of one tenant, each sending its next request as its last one ends,
-    until `until` (monotonic) or `requests` in all."""
+    from `start_s` after `t0` until `until` (monotonic) or `requests` in all."""
     results: list[Result] = []
     numbers = itertools.count()
+    await asyncio.sleep(max(0.0, t0 + start_s - time.monotonic()))
 
     async def worker() -> None:
         while True:
@@ -197,6 +215,61 @@ async def closed_loop(
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     return results
+
+
+@dataclass(frozen=True)
+class Load:
+    """One tenant's closed-loop clients in a phase, joining `start_s` after its start."""
+
+    tenant: str
+    workers: int
+    start_s: float = 0.0
+
+
+def client_process_loop(
+    url: str, load: Load, max_tokens: int, t0: float, until: float | None, requests: int | None
+) -> list[dict[str, Any]]:
+    """A tenant's closed loop in its own client process (the monotonic clock is the
+    machine's, so `t0` holds across processes)."""
+
+    async def loop() -> list[Result]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=LOST_AFTER_S, limits=limits, trust_env=False) as http:
+            return await closed_loop(
+                http, url, load.tenant, load.workers, max_tokens, t0, until, requests, load.start_s
+            )
+
+    return [asdict(r) for r in asyncio.run(loop())]
+
+
+class Clients:
+    """One client process per tenant, kept for the whole bench: tenants are separate clients,
+    so one tenant's stream parsing never delays the clock of another's requests."""
+
+    def __init__(self) -> None:
+        self._processes: dict[str, ProcessPoolExecutor] = {}
+
+    async def run(
+        self, url: str, load: Load, max_tokens: int, t0: float, until: float | None, requests: int | None
+    ) -> list[Result]:
+        process = self._processes.get(load.tenant)
+        if process is None:
+            process = self._processes[load.tenant] = ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")
+            )
+        future = process.submit(client_process_loop, url, load, max_tokens, t0, until, requests)
+        return [Result(**r) for r in await asyncio.wrap_future(future)]
+
+    async def warm(self, tenants: list[str]) -> None:
+        """Each tenant's process started (spawned and imported) before any phase's clock."""
+        for tenant in tenants:
+            if tenant not in self._processes:
+                self._processes[tenant] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            await asyncio.wrap_future(self._processes[tenant].submit(time.monotonic))
+
+    def close(self) -> None:
+        for process in self._processes.values():
+            process.shutdown(cancel_futures=True)
 
 
 # -- figures --------------------------------------------------------------------------------
@@ -416,6 +489,21 @@ def scrape(stack: Stack) -> Counter[tuple[str, str, str]]:
     return out
 
 
+def cores_busy(since: list[tuple[int, int]] | None = None) -> Any:
+    """Each core's (busy, all) clock ticks from /proc/stat; given an earlier reading: each
+    core's busy share since then (on 2 cores, what the engine leaves to the rest)."""
+    now = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *ticks = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            values = [int(t) for t in ticks]
+            idle = values[3] + values[4]  # idle, iowait
+            now.append((sum(values) - idle, sum(values)))
+    if since is None:
+        return now
+    return [(b - b0) / max(1, a - a0) for (b, a), (b0, a0) in zip(now, since, strict=True)]
+
+
 # -- phases ---------------------------------------------------------------------------------
 
 
@@ -427,11 +515,14 @@ class Phase:
     metrics: Counter[tuple[str, str, str]]  # what the phase added
     wall0: float
     seconds: float  # until the last request ended
+    cpu: list[float] = field(default_factory=list)  # each core's busy share over the phase
 
 
 class Bench:
-    def __init__(self, stack: Stack, http: httpx.AsyncClient, redis: RedisServer) -> None:
+    def __init__(self, stack: Stack, http: httpx.AsyncClient, redis: RedisServer, rounds: int) -> None:
         self.stack, self.http, self.redis = stack, http, redis
+        self.rounds = rounds  # interleaved rounds of the fairness and priority phases
+        self.clients = Clients()
         self.targets = Targets()
         self.states_file = stack.work / "states.jsonl"
         self.results_file = stack.work / "results.jsonl"  # every request's Result
@@ -439,15 +530,15 @@ class Bench:
     async def phase(
         self,
         name: str,
-        loads: list[tuple[str, int]],
+        loads: list[Load],
         seconds: float | None = None,
         requests: int | None = None,
         max_tokens: int = M,
         events: tuple[tuple[float, Callable[[], None]], ...] = (),
         settle: bool = True,
     ) -> Phase:
-        """Closed-loop `loads` (tenant, workers) for `seconds` (or `requests` each), with
-        `/debug/state` sampled meanwhile and `events` run at their times (seconds in)."""
+        """Closed-loop `loads` for `seconds` (or `requests` each), each tenant in its own client
+        process, with `/debug/state` sampled meanwhile and `events` run at their times (seconds in)."""
         if settle:
             await self.settle()
         before = await asyncio.to_thread(scrape, self.stack)
@@ -456,9 +547,11 @@ class Bench:
         stop, samples = asyncio.Event(), []
         sampler = asyncio.create_task(sample_states(self.stack, t0, stop, samples))
         timed = [asyncio.create_task(_at(t0 + at, action)) for at, action in events]
-        runs = [closed_loop(self.http, self.stack.url, t, n, max_tokens, t0, until, requests) for t, n in loads]
+        cpu0 = cores_busy()
+        runs = [self.clients.run(self.stack.url, load, max_tokens, t0, until, requests) for load in loads]
         results = [r for run in await asyncio.gather(*runs) for r in run]
         elapsed = time.monotonic() - t0
+        cpu = cores_busy(cpu0)
         await asyncio.gather(*timed)
         stop.set()
         await sampler
@@ -467,7 +560,7 @@ class Bench:
             out.writelines(json.dumps({"phase": name, **s}) + "\n" for s in samples)
         with self.results_file.open("a") as out:
             out.writelines(json.dumps({"phase": name, **asdict(r)}) + "\n" for r in results)
-        return Phase(name, results, samples, after - before, wall0, elapsed)
+        return Phase(name, results, samples, after - before, wall0, elapsed, cpu)
 
     async def settle(self) -> None:
         """The last phase's flows idle (`flow_active_s`) and nothing held by any worker."""
@@ -523,6 +616,8 @@ def print_time_spent(phase: Phase) -> None:
             engine.append(f"{label} mean {ms(m[(name + '_sum', '', '')] / count)} over {count:.0f}")
     print(f"    engine (vLLM /metrics): {', '.join(engine) or 'no figures'}", flush=True)
     print(f"    /debug/state every {SAMPLE_S} s: {summarize_samples(phase.samples)}", flush=True)
+    cores = ", ".join(f"core {i} {busy:.0%}" for i, busy in enumerate(phase.cpu))
+    print(f"    CPU busy (the engine, the gateway and the clients): {cores}", flush=True)
 
 
 def summarize_samples(samples: list[dict[str, Any]]) -> str:
@@ -567,18 +662,71 @@ async def measure_prompt(bench: Bench) -> int:
     return biggest
 
 
+async def interleaved(
+    bench: Bench, quiet: tuple[str, list[Load], float], loaded: tuple[str, list[Load], float], measured: str
+) -> tuple[Phase, Phase]:
+    """`bench.rounds` rounds of a quiet phase then a loaded one (ABAB: the machine's drift
+    weighs on both alike), each round's `measured` TTFT printed; the rounds merged."""
+    phases: dict[str, list[Phase]] = {quiet[0]: [], loaded[0]: []}
+    for k in range(1, bench.rounds + 1):
+        for name, loads, seconds in (quiet, loaded):
+            phase = await bench.phase(f"{name} {k}", loads, seconds=seconds)
+            phases[name].append(phase)
+            t = ttfts(phase.results, measured)
+            cores = ", ".join(f"{busy:.0%}" for busy in phase.cpu)
+            print(
+                f"  round {k} {name}: {measured} TTFT p50 {ms(pct(t, 0.5))}, p99 {ms(pct(t, 0.99))} over {len(t)};"
+                f" cores busy {cores}",
+                flush=True,
+            )
+    return merged(quiet[0], phases[quiet[0]]), merged(loaded[0], phases[loaded[0]])
+
+
+def steady_ttfts(phase: Phase, tenant: str, joined_at: float) -> list[float]:
+    """The TTFTs of `tenant`'s requests from `JOINED_S` after it joined a loaded phase; its
+    requests before that are printed apart (they met the load's requests holding the budget)."""
+    settled = joined_at + JOINED_S
+    joining = [
+        r.ttft for r in phase.results if r.tenant == tenant and r.ok and r.ttft is not None and r.start < settled
+    ]
+    print(f"    {tenant} joining (its first {JOINED_S} s in each round): TTFT {', '.join(ms(t) for t in joining)}")
+    steady = [r for r in phase.results if r.start >= settled]
+    print(f"    {tenant} from then on (the target's figures): {len(ttfts(steady, tenant))} requests", flush=True)
+    return ttfts(steady, tenant)
+
+
+def merged(name: str, phases: list[Phase]) -> Phase:
+    metrics: Counter[tuple[str, str, str]] = Counter()
+    for phase in phases:
+        metrics.update(phase.metrics)
+    cpu = [sum(c) / len(phases) for c in zip(*(phase.cpu for phase in phases), strict=True)]
+    return Phase(
+        f"{name}, {len(phases)} rounds",
+        [r for phase in phases for r in phase.results],
+        [s for phase in phases for s in phase.samples],
+        metrics,
+        phases[0].wall0,
+        sum(phase.seconds for phase in phases),
+        cpu,
+    )
+
+
 async def fairness(bench: Bench) -> None:
     print("\n== fairness ==", flush=True)
-    alone = await bench.phase("alone", [("quiet", 1)], requests=30)
+    alone, flood = await interleaved(
+        bench,
+        ("alone", [Load("quiet", 1)], ALONE_S),
+        ("flood", [Load("noisy", 10), Load("quiet", 1, JOIN_S)], FLOOD_S),
+        "quiet",
+    )
     print_statuses(alone, ["quiet"])
     a = ttfts(alone.results, "quiet")
     a50, a99 = pct(a, 0.5), pct(a, 0.99)
     print(f"    quiet TTFT p50 {ms(a50)}, p99 {ms(a99)}", flush=True)
     print_time_spent(alone)
 
-    flood = await bench.phase("flood", [("noisy", 10), ("quiet", 1)], seconds=60)
     print_statuses(flood, ["quiet", "noisy"])
-    f = ttfts(flood.results, "quiet")
+    f = steady_ttfts(flood, "quiet", JOIN_S)
     f50, f99 = pct(f, 0.5), pct(f, 0.99)
     print(f"    quiet TTFT p50 {ms(f50)}, p99 {ms(f99)}; noisy TTFT p50 {ms(pct(ttfts(flood.results, 'noisy'), 0.5))}")
     print(f"    noisy served {tally(flood.results, 'noisy').ok} requests", flush=True)
@@ -586,7 +734,7 @@ async def fairness(bench: Bench) -> None:
     bench.targets.check(f50 / a50 <= 1.5, "quiet TTFT p50 beside the flood <= 1.5 x alone", f"{f50 / a50:.2f} x")
     bench.targets.check(f99 / a99 <= 1.5, "quiet TTFT p99 beside the flood <= 1.5 x alone", f"{f99 / a99:.2f} x")
 
-    backlog = await bench.phase("backlogged", [("noisy", 12), ("quiet", 6)], seconds=60)
+    backlog = await bench.phase("backlogged", [Load("noisy", 12), Load("quiet", 6)], seconds=60)
     print_statuses(backlog, ["noisy", "quiet"])
     print_time_spent(backlog)
     served = {
@@ -606,15 +754,19 @@ async def fairness(bench: Bench) -> None:
 
 async def priority(bench: Bench) -> None:
     print("\n== priority ==", flush=True)
-    unloaded = await bench.phase("unloaded", [("hi", 1)], requests=30)
+    unloaded, saturated = await interleaved(
+        bench,
+        ("unloaded", [Load("hi", 1)], UNLOADED_S),
+        ("saturated", [Load("std", 8), Load("batch", 40), Load("hi", 1, SATURATE_S)], SATURATED_S),
+        "hi",
+    )
     print_statuses(unloaded, ["hi"])
     u99 = pct(ttfts(unloaded.results, "hi"), 0.99)
     print(f"    hi TTFT p50 {ms(pct(ttfts(unloaded.results, 'hi'), 0.5))}, p99 {ms(u99)}", flush=True)
     print_time_spent(unloaded)
 
-    saturated = await bench.phase("saturated", [("std", 8), ("batch", 40), ("hi", 1)], seconds=60)
     print_statuses(saturated, ["hi", "std", "batch"])
-    s = ttfts(saturated.results, "hi")
+    s = steady_ttfts(saturated, "hi", SATURATE_S)
     s99 = pct(s, 0.99)
     print(f"    hi TTFT p50 {ms(pct(s, 0.5))}, p99 {ms(s99)}", flush=True)
     for t in ("std", "batch"):
@@ -684,7 +836,7 @@ async def quota(bench: Bench) -> None:
 
     reader = asyncio.create_task(read_redis())
     events = ((70.0, stop_redis), (100.0, start_redis))
-    phase = await bench.phase("metered", [("metered", 4)], 130, max_tokens=QUOTA_M, events=events, settle=False)
+    phase = await bench.phase("metered", [Load("metered", 4)], 130, max_tokens=QUOTA_M, events=events, settle=False)
     stop.set()
     await reader
     if (counts := redis_counts(bench.redis.url)) is not None:
@@ -792,21 +944,26 @@ def report_leaks(bench: Bench) -> None:
 SCENARIOS = {"fairness": fairness, "priority": priority, "quota": quota}
 
 
-async def run(stack: Stack, redis: RedisServer, scenarios: list[str]) -> Targets:
+async def run(stack: Stack, redis: RedisServer, scenarios: list[str], rounds: int) -> Targets:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=LOST_AFTER_S, limits=limits, trust_env=False) as http:
-        bench = Bench(stack, http, redis)
-        await measure_prompt(bench)
-        for name in scenarios:
-            await SCENARIOS[name](bench)
-        await asyncio.sleep(1)
-        await asyncio.to_thread(report_leaks, bench)
+        bench = Bench(stack, http, redis, rounds)
+        try:
+            await bench.clients.warm(list(TENANTS))
+            await measure_prompt(bench)
+            for name in scenarios:
+                await SCENARIOS[name](bench)
+            await asyncio.sleep(1)
+            await asyncio.to_thread(report_leaks, bench)
+        finally:
+            bench.clients.close()
     return bench.targets
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("scenario", nargs="?", default="all", choices=[*SCENARIOS, "all"])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of fairness and priority")
     args = parser.parse_args(argv)
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     from tests.conftest import free_port
@@ -815,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     redis = RedisServer(work, free_port()).start()
     try:
         with tito_up(work, redis) as stack:
-            targets = asyncio.run(run(stack, redis, scenarios))
+            targets = asyncio.run(run(stack, redis, scenarios, args.rounds))
     finally:
         redis.stop()
     passed = sum(ok for _, ok in targets.results)
