@@ -95,12 +95,19 @@ class Services:
         raise not_found(str(requested), [name for base in self.bases for name in base.planner.catalog.base_names])
 
     def flow(self, handler: str, headers: Mapping[str, str]) -> Flow | GatewayError:
-        """The request's flow (its tenant, priority and weight), or its refusal (a missing,
-        unknown or revoked API key: 401) in the route's API envelope."""
-        if self.tenancy is None or handler == "health":
+        """The request's flow (its tenant, priority and weight), or its refusal in the route's
+        API envelope: a missing, unknown or revoked API key (401), or, for a request an engine
+        would generate for, a queue full for its band and flow whatever its size (429). That one
+        is refused from its headers: a flood the queue turns away is not rendered for nothing."""
+        if handler == "health":
             return Flow()
         try:
-            return self.tenancy.flow(headers)
+            flow = Flow() if self.tenancy is None else self.tenancy.flow(headers)
+            api = self.apis.get(handler)
+            generating = api is not None and handler in api.generating
+            if generating and all(base.planner.flow.full_for(flow) for base in self.bases):
+                raise self.planner.flow.refused_full(flow.priority)
+            return flow
         except GatewayError as error:
             return self._enveloped(handler, error)
 

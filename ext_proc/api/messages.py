@@ -267,6 +267,7 @@ class MessagesApi:
     model refuses keeps native's validation error)."""
 
     handlers = ("messages", "messages_count_tokens")
+    generating = ("messages",)
 
     def __init__(self, planner: Planner, renderer: Renderer | None, served_name: str) -> None:
         self._planner = planner

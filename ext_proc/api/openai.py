@@ -22,6 +22,7 @@ class OpenAIApi:
     """Chat and completions for one base model (`api.routes.ClientApi`)."""
 
     handlers = {"chat": Pipeline.CHAT, "completions": Pipeline.COMPLETIONS}
+    generating = tuple(handlers)
 
     def __init__(self, planner: Planner, model: ModelConfig) -> None:
         self._planner = planner

@@ -44,6 +44,7 @@ class ResponsesApi:
     the completions request it is once rendered; None `serving`: not served (501)."""
 
     handlers = ("responses",)
+    generating = handlers
 
     def __init__(self, planner: Planner, serving: ResponsesServing | None, stored: Conversations) -> None:
         self._planner = planner

@@ -31,6 +31,12 @@ class ClientApi(Protocol):
         """The route handlers (`listener.routes`) it serves."""
         ...
 
+    @property
+    def generating(self) -> Collection[str]:
+        """Those of its handlers whose requests an engine generates for: they take admission's
+        room, so a full queue may turn them away from their headers."""
+        ...
+
     def error(self, status: int, body: bytes) -> bytes:
         """An OpenAI error body (what shared parts answer) in this API's envelope."""
         ...

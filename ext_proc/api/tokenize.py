@@ -41,6 +41,7 @@ class TokenizeApi:
     render pool's endpoints; `renderer` None: render is disabled (every request a 503)."""
 
     handlers = tuple(PATHS)
+    generating = ()
 
     def __init__(self, renderer: Renderer | None, served_name: str) -> None:
         self._pool = renderer if isinstance(renderer, RenderPool) else None

@@ -127,11 +127,24 @@ class FlowControl:
                     raise
         return await self._wait(waiting, place)
 
+    def full_for(self, flow: Flow) -> bool:
+        """The queue has no room for the flow's next request whatever its size (none even for
+        one of no tokens): it can be refused before its body is read and rendered."""
+        return (
+            self.enabled
+            and bool(self.queue)
+            and self.queue.room_for(Waiting(flow.name, flow.priority, 0, flow.weight)) is None
+        )
+
+    def refused_full(self, priority: int) -> QueueRefusal:
+        """A request the full queue turns away (counted)."""
+        self.on_outcome(str(priority), "rejected_queue_full", 0.0)
+        return QueueRefusal("the gateway's queue is full", "queue_full", self._retry_after())
+
     async def _wait(self, waiting: Waiting, place: Callable[[], Plan]) -> Plan:
         shed = self.queue.room_for(waiting)
         if shed is None:
-            self.on_outcome(str(waiting.priority), "rejected_queue_full", 0.0)
-            raise QueueRefusal("the gateway's queue is full", "queue_full", self._retry_after())
+            raise self.refused_full(waiting.priority)
         for victim in shed:
             self._shed(victim, waiting)
         future: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()

@@ -178,6 +178,7 @@ EVICTING = {
     "flow_active_s": 0.5,  # (a band seen recently keeps room for itself: tests start apart)
     "objectives": OBJECTIVES,
     "evict_sheddable": True,
+    "queue_max_requests": 1,  # (one waiting request fills it)
 }
 
 
@@ -279,6 +280,39 @@ def test_a_stream_evicted_before_its_first_token_still_ends_with_the_notice(
     events = [e.removeprefix("data: ") for e in answer.text.split("\n\n") if e]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert orjson.loads(events[-2])["error"]["code"] == "evicted"
+
+
+def test_a_full_queue_refuses_from_the_headers_without_reading_the_body(evicting: SimGateway) -> None:
+    """A request the full queue turns away whatever its size is refused before its body is
+    read (a body that is not even JSON gets the queue's 429, not a 400) and never rendered."""
+    evicting.restore()
+    sim = evicting.sims[0]
+    sim.token_delay_s = 0.1  # 20 tokens: 2 s on the engine
+    time.sleep(0.6)  # the last test's flows are no longer active
+    before = metric(evicting.metrics(), "tito_flow_requests_total", band="-1", outcome="rejected_queue_full")
+    out: list[httpx.Response] = []
+    running = _batch(evicting, "chat", False, out)
+    deadline = time.monotonic() + 5
+    while not sim.generate_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiting = _batch(evicting, "chat", False, out)
+    while evicting.state()["flow"]["requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    refused = httpx.post(
+        evicting.base_url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={**_objective("batch"), "content-type": "application/json"},
+        timeout=30,
+        trust_env=False,
+    )
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "10"
+    assert refused.json()["error"]["code"] == "queue_full"
+    after = metric(evicting.metrics(), "tito_flow_requests_total", band="-1", outcome="rejected_queue_full")
+    assert after == before + 1
+    running.join(30)
+    waiting.join(30)
+    assert [r.status_code for r in out] == [200, 200]
+    evicting.assert_no_leaks()
 
 
 def test_an_answer_not_yet_started_is_evicted_as_a_429_with_retry_after(evicting: SimGateway) -> None:

@@ -200,6 +200,24 @@ async def test_when_full_sheddable_waiters_are_shed_for_a_higher_band() -> None:
     assert await urgent == Local(200, b"u")
 
 
+async def test_a_request_the_full_queue_would_refuse_whatever_its_size_is_known_from_its_flow() -> None:
+    """What the gateway refuses from the request's headers, before reading and rendering it."""
+    budget = Budget(0)
+    control = _control(budget, queue_max_requests=1)
+    assert not control.full_for(Flow("batch", priority=-1))  # nothing waits
+    waiter = asyncio.create_task(control.admitted(Flow("batch", priority=-1), 10, budget.place("s", 10)))
+    await asyncio.sleep(0.01)
+    assert control.full_for(Flow("batch", priority=-1)) and control.full_for(Flow("more", priority=-1))
+    assert not control.full_for(Flow("chat"))  # a higher band sheds the sheddable waiter
+    outcomes: list[tuple[str, str]] = []
+    control.on_outcome = lambda band, outcome, waited: outcomes.append((band, outcome))
+    refused = control.refused_full(-1)
+    assert (refused.status, refused.code, refused.retry_after) == (429, "queue_full", 5)
+    assert outcomes == [("-1", "rejected_queue_full")]
+    assert not _control(Budget(0), timeout_s=0).full_for(Flow())  # flow control off
+    waiter.cancel()
+
+
 async def test_saturated_engines_queue_requests_the_budget_would_take() -> None:
     budget = Budget(100)
     saturated = [True]
