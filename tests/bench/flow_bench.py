@@ -36,8 +36,8 @@ Printed, each target as `PASS`/`FAIL target: value`:
 Each phase also prints where the time went: the processors' admission queue (per band: how
 many waited, for how long, from `/metrics`), the engine's own TTFT (vLLM's `/metrics`),
 every worker's `/debug/state` sampled every 5 s (queued per band, oldest wait, admitted
-tokens), and how busy each core was (`/proc/stat`). The samples are kept in `states.jsonl` of the bench's folder, every request's
-figures in `results.jsonl`. `tito up`'s smoke request carries the `std` key (`TITO_API_KEY`).
+tokens), and how busy each core was (`/proc/stat`). The samples are kept in `states.jsonl`
+of the bench's folder, every request's figures in `results.jsonl`. `tito up`'s smoke request carries the `std` key (`TITO_API_KEY`).
 """
 
 from __future__ import annotations
@@ -249,23 +249,21 @@ class Clients:
     def __init__(self) -> None:
         self._processes: dict[str, ProcessPoolExecutor] = {}
 
+    def _process(self, tenant: str) -> ProcessPoolExecutor:
+        if tenant not in self._processes:
+            self._processes[tenant] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self._processes[tenant]
+
     async def run(
         self, url: str, load: Load, max_tokens: int, t0: float, until: float | None, requests: int | None
     ) -> list[Result]:
-        process = self._processes.get(load.tenant)
-        if process is None:
-            process = self._processes[load.tenant] = ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")
-            )
-        future = process.submit(client_process_loop, url, load, max_tokens, t0, until, requests)
+        future = self._process(load.tenant).submit(client_process_loop, url, load, max_tokens, t0, until, requests)
         return [Result(**r) for r in await asyncio.wrap_future(future)]
 
     async def warm(self, tenants: list[str]) -> None:
         """Each tenant's process started (spawned and imported) before any phase's clock."""
         for tenant in tenants:
-            if tenant not in self._processes:
-                self._processes[tenant] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-            await asyncio.wrap_future(self._processes[tenant].submit(time.monotonic))
+            await asyncio.wrap_future(self._process(tenant).submit(time.monotonic))
 
     def close(self) -> None:
         for process in self._processes.values():
@@ -489,19 +487,20 @@ def scrape(stack: Stack) -> Counter[tuple[str, str, str]]:
     return out
 
 
-def cores_busy(since: list[tuple[int, int]] | None = None) -> Any:
-    """Each core's (busy, all) clock ticks from /proc/stat; given an earlier reading: each
-    core's busy share since then (on 2 cores, what the engine leaves to the rest)."""
-    now = []
+def core_ticks() -> list[tuple[int, int]]:
+    """Each core's (busy, all) clock ticks from /proc/stat."""
+    out = []
     for line in Path("/proc/stat").read_text().splitlines():
         name, *ticks = line.split()
         if name.startswith("cpu") and name != "cpu":
             values = [int(t) for t in ticks]
-            idle = values[3] + values[4]  # idle, iowait
-            now.append((sum(values) - idle, sum(values)))
-    if since is None:
-        return now
-    return [(b - b0) / max(1, a - a0) for (b, a), (b0, a0) in zip(now, since, strict=True)]
+            out.append((sum(values) - values[3] - values[4], sum(values)))  # less idle and iowait
+    return out
+
+
+def busy_since(before: list[tuple[int, int]]) -> list[float]:
+    """Each core's busy share since `before` (on 2 cores: what the engine leaves to the rest)."""
+    return [(b - b0) / max(1, a - a0) for (b, a), (b0, a0) in zip(core_ticks(), before, strict=True)]
 
 
 # -- phases ---------------------------------------------------------------------------------
@@ -547,11 +546,11 @@ class Bench:
         stop, samples = asyncio.Event(), []
         sampler = asyncio.create_task(sample_states(self.stack, t0, stop, samples))
         timed = [asyncio.create_task(_at(t0 + at, action)) for at, action in events]
-        cpu0 = cores_busy()
+        ticks = core_ticks()
         runs = [self.clients.run(self.stack.url, load, max_tokens, t0, until, requests) for load in loads]
         results = [r for run in await asyncio.gather(*runs) for r in run]
         elapsed = time.monotonic() - t0
-        cpu = cores_busy(cpu0)
+        cpu = busy_since(ticks)
         await asyncio.gather(*timed)
         stop.set()
         await sampler
@@ -686,13 +685,11 @@ def steady_ttfts(phase: Phase, tenant: str, joined_at: float) -> list[float]:
     """The TTFTs of `tenant`'s requests from `JOINED_S` after it joined a loaded phase; its
     requests before that are printed apart (they met the load's requests holding the budget)."""
     settled = joined_at + JOINED_S
-    joining = [
-        r.ttft for r in phase.results if r.tenant == tenant and r.ok and r.ttft is not None and r.start < settled
-    ]
+    joining = ttfts([r for r in phase.results if r.start < settled], tenant)
+    steady = ttfts([r for r in phase.results if r.start >= settled], tenant)
     print(f"    {tenant} joining (its first {JOINED_S} s in each round): TTFT {', '.join(ms(t) for t in joining)}")
-    steady = [r for r in phase.results if r.start >= settled]
-    print(f"    {tenant} from then on (the target's figures): {len(ttfts(steady, tenant))} requests", flush=True)
-    return ttfts(steady, tenant)
+    print(f"    {tenant} from then on (the target's figures): {len(steady)} requests", flush=True)
+    return steady
 
 
 def merged(name: str, phases: list[Phase]) -> Phase:
