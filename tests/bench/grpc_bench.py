@@ -8,14 +8,17 @@ the previous reply. Two server shapes, measured in the same run, alternating:
 - `outbox`: the processor's own shape (`ext_proc/envoy_protocol/stream.py`): a reader task puts
   replies on a queue that the gRPC method drains, so the processor can also send between
   Envoy's messages.
-And the outbox shape on uvloop (`processor.event_loop`, the default) against asyncio's own loop.
+And the outbox shape on uvloop (`processor.event_loop`, the default) against asyncio's own loop,
+and `sync`: grpc's thread-pool server (`grpc.server`), the other server Python's gRPC offers.
 `--pace-ms` spaces each stream's messages as an engine spaces its tokens (8 streams of a CPU
 engine: about 6 ms): every message then wakes the server from idle, which costs more than
 back-to-back messages (`--pace-ms 0`).
 Printed per case: server CPU µs per message (from /proc), messages/s, outbox / minimal, and
 uvloop / asyncio. Then what a stream itself costs, as Envoy opens one per request: streams one
 after another (`--one-by-one`) of 1 and of 11 messages, 2 ms apart, give the server CPU to
-open and end a stream and the cost of each message in it. Compare with the processor's CPU per
+open and end a stream and the cost of each message in it, on the processor's shape and on the
+thread-pool server; and the floor under any transport: a uvloop TCP server echoing the same
+bytes, one message at a time, each waking it from idle (no gRPC, no HTTP/2). Compare with the processor's CPU per
 engine event (`processor_bench`, `gateway_bench`): what is above this floor is derender, SSE
 and the exchange's own work.
 
@@ -27,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import socket
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -49,6 +55,12 @@ def _reply(message: ext_proc_pb.ProcessingRequest) -> ext_proc_pb.ProcessingResp
     reply = ext_proc_pb.ProcessingResponse()
     reply.response_body.response.body_mutation.streamed_response.body = message.response_body.body
     return reply
+
+
+class Sync(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def Process(self, messages: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
+        for message in messages:
+            yield _reply(message)
 
 
 class Minimal(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -75,7 +87,7 @@ class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 SHAPES = {"minimal": Minimal, "outbox": Outbox}
 # (shape, event loop) measured, alternating
-CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop")]
+CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop"), ("sync", "threads")]
 STREAM_SPAN = 10  # extra messages of the long streams in `stream_cost`
 ONE_BY_ONE_PACE_MS = 2.0  # between a request's messages: each wakes the server from idle
 
@@ -86,6 +98,57 @@ async def _serve(shape: str, port: int) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Until the server just forked accepts connections."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _serve_sync(port: int) -> None:
+    server = grpc.server(ThreadPoolExecutor(16))
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(Sync(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+class _Echo(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._transport.write(data)  # type: ignore[attr-defined]
+
+
+async def _serve_echo(port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(_Echo, "127.0.0.1", port)
+    await server.serve_forever()
+
+
+def _echo_load(port: int, messages: int, pace_s: float) -> float:
+    """One connection, a framed message at a time, each answer read before the next is sent."""
+    request = ext_proc_pb.ProcessingRequest()
+    request.response_body.body = EVENT
+    framed = b"\0" + len(request.SerializeToString()).to_bytes(4, "big") + request.SerializeToString()
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(messages):
+            connection.sendall(framed)
+            got = 0
+            while got < len(framed):
+                got += len(connection.recv(65536))
+            time.sleep(pace_s)
+    return time.perf_counter() - started
 
 
 async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0, one_by_one: bool = False) -> float:
@@ -113,41 +176,67 @@ async def _load(port: int, messages: int, streams: int, pace_s: float = 0.0, one
         return time.perf_counter() - started
 
 
-def measure(
-    shape: str, messages: int, streams: int, loop: str = "asyncio", pace_ms: float = 0.0, one_by_one: bool = False
-) -> tuple[float, float]:
-    """(server CPU µs per message, messages/s) for one server of `shape` on `loop`, in a child process."""
+@contextlib.contextmanager
+def _forked_server(serve: Callable[[int], None]) -> Iterator[tuple[int, int]]:
+    """(pid, port) of a child process running `serve(port)` on the first core, while this one
+    runs on the others (when there are two)."""
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
     pid = os.fork()
-    if pid == 0:  # the server, on the first core
+    if pid == 0:
         os.sched_setaffinity(0, {cores[0]})
-        (uvloop.run if loop == "uvloop" else asyncio.run)(_serve(shape, port))
+        serve(port)
         os._exit(0)
     try:
         if len(cores) > 1:
             os.sched_setaffinity(0, set(cores[1:]))
-        time.sleep(1.0)
-        asyncio.run(_load(port, max(1, messages // 4), streams, pace_ms / 1000, one_by_one))  # warm-up
-        before = process_cpu_seconds(pid)
-        wall = asyncio.run(_load(port, messages, streams, pace_ms / 1000, one_by_one))
-        spent = process_cpu_seconds(pid) - before
+        _wait_listening(port)
+        yield pid, port
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         os.sched_setaffinity(0, set(cores))
+
+
+def _grpc_server(shape: str, loop: str) -> Callable[[int], None]:
+    if shape == "sync":
+        return _serve_sync
+    return lambda port: (uvloop.run if loop == "uvloop" else asyncio.run)(_serve(shape, port))
+
+
+def measure(
+    shape: str, messages: int, streams: int, loop: str = "asyncio", pace_ms: float = 0.0, one_by_one: bool = False
+) -> tuple[float, float]:
+    """(server CPU µs per message, messages/s) for one server of `shape` on `loop`, in a child process."""
+    with _forked_server(_grpc_server(shape, loop)) as (pid, port):
+        asyncio.run(_load(port, max(1, messages // 4), streams, pace_ms / 1000, one_by_one))  # warm-up
+        before = process_cpu_seconds(pid)
+        wall = asyncio.run(_load(port, messages, streams, pace_ms / 1000, one_by_one))
+        spent = process_cpu_seconds(pid) - before
     total = messages * streams
     return 1e6 * spent / total, total / wall
 
 
-def stream_cost(streams: int, rounds: int, pace_ms: float = ONE_BY_ONE_PACE_MS) -> tuple[float, float]:
+def tcp_floor(messages: int, pace_ms: float = ONE_BY_ONE_PACE_MS) -> float:
+    """Server CPU µs per message of a uvloop TCP echo, each message waking it from idle."""
+    with _forked_server(lambda port: uvloop.run(_serve_echo(port))) as (pid, port):
+        _echo_load(port, max(1, messages // 4), pace_ms / 1000)  # warm-up
+        before = process_cpu_seconds(pid)
+        _echo_load(port, messages, pace_ms / 1000)
+        spent = process_cpu_seconds(pid) - before
+    return 1e6 * spent / messages
+
+
+def stream_cost(
+    streams: int, rounds: int, shape: str = "outbox", loop: str = "uvloop", pace_ms: float = ONE_BY_ONE_PACE_MS
+) -> tuple[float, float]:
     """(server CPU ms to open and end one stream, µs per message in it): `streams` streams one
-    after another of 1 and of 1 + STREAM_SPAN messages, alternating, on the processor's shape and
-    loop; the difference gives the per-message cost, the rest of a 1-message stream is its set-up."""
+    after another of 1 and of 1 + STREAM_SPAN messages, alternating, on `shape` and `loop`; the
+    difference gives the per-message cost, the rest of a 1-message stream is its set-up."""
     per_stream: dict[int, list[float]] = {1: [], 1 + STREAM_SPAN: []}
     for _ in range(rounds):
         for n, costs in per_stream.items():
-            us_per_message = measure("outbox", n, streams, "uvloop", pace_ms, one_by_one=True)[0]
+            us_per_message = measure(shape, n, streams, loop, pace_ms, one_by_one=True)[0]
             costs.append(us_per_message * n)
     short, long = (statistics.median(costs) for costs in per_stream.values())
     per_message = (long - short) / STREAM_SPAN
@@ -185,11 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"x{medians[case] / medians[base]:.2f}" if medians[base] > 0 else "too short a run to measure"
         print(f"  {label}: {ratio}")
     if args.one_by_one:
-        setup_ms, per_message = stream_cost(args.one_by_one, args.rounds)
         print(
-            f"one stream per request ({args.one_by_one} streams one after another, outbox on uvloop):"
-            f" set-up and end {setup_ms:.2f} ms of server CPU per stream, then {per_message:.0f} us per message"
+            f"one stream per request ({args.one_by_one} streams one after another, messages {ONE_BY_ONE_PACE_MS:g} ms apart)"
         )
+        for shape, loop in (("outbox", "uvloop"), ("sync", "threads")):
+            setup_ms, per_message = stream_cost(args.one_by_one, args.rounds, shape, loop)
+            print(
+                f"  {shape} on {loop}: set-up and end {setup_ms:.2f} ms of server CPU per stream,"
+                f" then {per_message:.0f} us per message"
+            )
+        floor = statistics.median(tcp_floor(args.one_by_one * STREAM_SPAN) for _ in range(args.rounds))
+        print(f"  the floor, a TCP echo on uvloop (no gRPC): {floor:.0f} us per message")
     return 0
 
 

@@ -18,4 +18,5 @@ def test_every_case_answers_every_message(capsys: pytest.CaptureFixture[str]) ->
     assert grpc_bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "outbox / minimal (asyncio)" in out and "outbox: uvloop / asyncio" in out
-    assert "set-up and end" in out
+    assert "outbox on uvloop: set-up and end" in out and "sync on threads: set-up and end" in out
+    assert "the floor, a TCP echo" in out
