@@ -65,14 +65,24 @@ class GatewayError(Exception):
         return error_body(self.status, self.message, self.param, self.code, self.kind)
 
 
-def error_code(body: bytes) -> str | None:
-    """The `code` of an OpenAI error body (None when it has none or is not one)."""
+def _error_field(body: bytes, field: str) -> Any:
     try:
         error = orjson.loads(body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         return None
-    code = error.get("code") if isinstance(error, dict) else None
+    return error.get(field) if isinstance(error, dict) else None
+
+
+def error_code(body: bytes) -> str | None:
+    """The `code` of an OpenAI error body (None when it has none or is not one)."""
+    code = _error_field(body, "code")
     return None if code is None else str(code)
+
+
+def error_message(body: bytes) -> str | None:
+    """The `message` of an OpenAI error body (None when it has none or is not one)."""
+    message = _error_field(body, "message")
+    return message if isinstance(message, str) else None
 
 
 def normalize_error_body(status: int, body: bytes) -> bytes:

@@ -35,6 +35,7 @@ from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.health import add_health
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
+from ext_proc.model_files import vocab_size
 from ext_proc.obfuscation import build_codec
 from ext_proc.observability.request import Observability, clock
 from ext_proc.observability.stage_cpu import StageProfile, install
@@ -183,7 +184,7 @@ def build_services(
     render = config.render_config
     codec = build_codec(config)
     local = LocalTokenizer(config.model.path, config.processor.fallback_tokenizer_timeout_s)
-    tokenization = TokenizationService(render_pool, local, codec)
+    tokenization = TokenizationService(render_pool, local, codec, vocab_size(config.model.path))
     scheduler = build_scheduler(config, gated=config.capabilities.enable)
     catalog = ModelCatalog(config.model)  # what engines list feeds resolution and /v1/models
     planner = Planner(config, tokenization, scheduler, catalog=catalog)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,6 @@ import orjson
 from pydantic import ValidationError
 
 from ext_proc.api.body import validation_error
-from ext_proc.api.openai import parse_request
 from ext_proc.api.stepped import Stepped
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
@@ -284,7 +283,8 @@ class MessagesApi:
             return Local(error.status, error.body)
         raw = orjson.dumps(chat)
         try:
-            request = replace(parse_request(Pipeline.CHAT, chat, self._planner.catalog), conversion=MESSAGES)
+            model = self._planner.catalog.resolve(chat.get("model"))
+            request = OpenAIRequest(Pipeline.CHAT, chat, model, conversion=MESSAGES)
             if counting:
                 plan: Plan = Local(200, count_tokens_body(await self._planner.counted(request, raw, request_id)))
             else:

@@ -60,10 +60,6 @@ class ResponsesApi:
             if self._serving is None:
                 raise GatewayError(501, "the Responses API is not served by this gateway", code="unsupported")
             named = {**body, "request_id": client.request_id}  # render names its prompt with the gateway's id
-            if named.get("input") in (None, [], ""):
-                raise GatewayError(
-                    400, "'input' is a required property", param="input", code="missing_required_parameter"
-                )
             turn = await self._turn(client, named)
             raw = orjson.dumps(named)
             request = OpenAIRequest(
@@ -128,7 +124,8 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
     try:
         request = ResponsesRequest.model_validate_json(raw)
     except ValidationError as exc:
-        raise GatewayError(400, "invalid request", body=await validation_error(exc)) from exc
+        native = _as_native(ResponsesRequest, raw, exc)
+        raise GatewayError(400, "invalid request", body=await validation_error(native)) from exc
     request.request_id = f"resp_{request_id}"
     _refuse_unserved(request, store)
     built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
@@ -136,6 +133,18 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
         raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
     request.store = request.store and store
     return request
+
+
+def _as_native(model: Any, raw: bytes, exc: ValidationError) -> ValidationError:
+    """The errors native's validation finds: FastAPI validates the parsed JSON, whose words
+    differ from JSON validation's for some (a "list", not an "array")."""
+    try:
+        model.model_validate(orjson.loads(raw))
+    except ValidationError as native:
+        return native
+    except Exception:  # noqa: BLE001 - not a validation error there: JSON validation's stands
+        return exc
+    return exc
 
 
 def _refuse_unserved(request: Any, store: bool) -> None:

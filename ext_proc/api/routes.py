@@ -58,7 +58,7 @@ def client_apis(
     None: none are kept)."""
     responses = None if derender is None else ResponsesServing(derender, model.max_model_len)
     apis: list[ClientApi] = [
-        OpenAIApi(planner, model),
+        OpenAIApi(planner),
         MessagesApi(planner, renderer, model.served_name),
         ResponsesApi(planner, responses, stored or Conversations()),
         TokenizeApi(renderer, model.served_name),

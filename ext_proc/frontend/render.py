@@ -15,11 +15,15 @@ from typing import Any, Protocol
 
 import orjson
 
-from ext_proc.errors import GatewayError, normalize_error_body
+from ext_proc.errors import GatewayError, error_body, error_message, normalize_error_body
 from ext_proc.frontend.render_http import HttpFailure, RenderHttp
 from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
 
 UNSUPPORTED_STATUSES = frozenset({404, 405, 415, 501})
+# A prompt that renders to no ids: render's words, and native's for the same prompt (its
+# engine's input check: `vllm/v1/engine/input_processor.py`).
+EMPTY_PROMPT_RENDER = "No token_ids rendered"
+EMPTY_PROMPT_NATIVE = error_body(400, "The decoder prompt cannot be empty", code=400, kind="BadRequestError")
 
 
 class RenderRejected(GatewayError):
@@ -75,7 +79,10 @@ class RenderClient:
 def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedRequest:
     """Render's answer (status and JSON body, from the sidecar or in-process) as an outcome."""
     if status in (400, 422) or (status == 404 and _is_openai_error(body)):
-        raise RenderRejected(status, "render rejected the request", body=normalize_error_body(status, body))
+        body = normalize_error_body(status, body)
+        if error_message(body) == EMPTY_PROMPT_RENDER:
+            body = EMPTY_PROMPT_NATIVE
+        raise RenderRejected(status, "render rejected the request", body=body)
     if status in UNSUPPORTED_STATUSES:
         raise RenderUnavailable("unsupported", f"HTTP {status} on {request.endpoint}/render")
     if status != 200:

@@ -34,6 +34,7 @@ UNTRUSTED_TEMPLATE = (
 # Never template variables a client may set: they are the call itself.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "messages", "tools", "conversation", "return_dict"})
 _HF_TEMPLATE_PARAMS = frozenset({"add_generation_prompt", "continue_final_message", "documents"})
+MAX_TOKEN_ID = 1 << 31  # when the vocabulary size is unknown: no tokenizer has more ids
 
 
 class LocalTokenizer:
@@ -115,11 +116,33 @@ class LocalTokenizer:
         return list(self._tokenizer.encode(prompt))
 
 
+def check_token_ids(prompt: Any, vocab: int | None) -> None:
+    """A client's token-id prompts (`[1, 2]` or `[[1, 2], [3]]`): each prompt's lowest and
+    highest id in the vocabulary, as native's engine checks them (`validate_token_ids`), in
+    its words, before anything is admitted or sent."""
+    if not isinstance(prompt, list):
+        return
+    limit = vocab or MAX_TOKEN_ID
+    for ids in prompt if prompt and isinstance(prompt[0], list) else [prompt]:
+        if not ids or not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            continue  # text prompts, tokenized by render
+        bad = min(ids) if min(ids) < 0 else max(ids) if max(ids) >= limit else None
+        if bad is not None:
+            raise GatewayError(400, f"Token id {bad} is out of vocabulary", code=400, kind="BadRequestError")
+
+
 class TokenizationService:
-    def __init__(self, render: RenderPool | None, local: LocalTokenizer, codec: TokenCodec | None = None) -> None:
+    def __init__(
+        self,
+        render: RenderPool | None,
+        local: LocalTokenizer,
+        codec: TokenCodec | None = None,
+        vocab: int | None = None,
+    ) -> None:
         self.pool = render  # None: render disabled in the config
         self.local = local
         self.codec = codec  # token obfuscation: physical ids for the engines, and no fallback
+        self.vocab = vocab  # the model's vocabulary size (None: unknown)
         self.fallbacks: Counter[str] = Counter()
 
     async def tokenize(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
@@ -132,6 +155,8 @@ class TokenizationService:
             return await self._fallback(request, request_id, exc.reason, started)
         if (record := current()) is not None:
             record.rendered(started, "render")
+        if request.api is Pipeline.COMPLETIONS:  # (render takes a client's ids as they come)
+            check_token_ids(request.body.get("prompt"), self.vocab)
         return tokenized if self.codec is None else self.codec.physical(tokenized)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:

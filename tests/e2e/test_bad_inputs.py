@@ -49,3 +49,31 @@ def test_the_edge_refuses_bad_input_as_native_does(stack: RunningStack, route: s
     native = _post(stack.engine_url, route, body, content_type)
     assert native[0] == 400  # (the input is bad for every route)
     assert _post(stack.base_url, route, body, content_type) == native
+
+
+ABSENT = object()  # the field left out
+# A route's required input missing or empty, and token ids out of the vocabulary: native's
+# request model, its chat template, its renderer and its engine's input check each refuse one.
+EMPTY_INPUTS = {
+    "/v1/chat/completions": ("messages", [ABSENT, None, "", []]),
+    "/v1/completions": ("prompt", [ABSENT, None, "", [], [[]], [""], [1, 99999999], [[1, 2], [3, 99999999]], [5, -1]]),
+    "/v1/responses": ("input", [ABSENT, None, []]),
+    "/v1/messages": ("messages", [ABSENT, []]),
+    "/v1/messages/count_tokens": ("messages", [[]]),
+}
+
+
+@pytest.mark.parametrize(
+    ("route", "value"),
+    [(route, value) for route, (_, values) in EMPTY_INPUTS.items() for value in values],
+    ids=lambda v: "absent" if v is ABSENT else str(v),
+)
+def test_an_empty_or_out_of_range_input_is_refused_as_native_refuses_it(
+    stack: RunningStack, route: str, value: Any
+) -> None:
+    field = EMPTY_INPUTS[route][0]
+    body = {"model": "tiny", "max_tokens": 3} | ({} if value is ABSENT else {field: value})
+    raw = orjson.dumps(body)
+    native = _post(stack.engine_url, route, raw, JSON)
+    assert native[0] == 400
+    assert _post(stack.base_url, route, raw, JSON) == native

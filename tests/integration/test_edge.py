@@ -209,13 +209,20 @@ def test_client_fields_and_headers_do_not_reach_engines(gw: SimGateway) -> None:
         assert body.get("kv_transfer_params") is None
 
 
-def test_out_of_range_token_ids_are_a_400_before_any_work(gw: SimGateway) -> None:
-    for prompt in ([4294967296, *range(1, 20)], [-1, 2], [[1, 2], [10**6]]):
+def test_out_of_range_token_ids_are_native_400s_before_any_work(gw: SimGateway) -> None:
+    """Native's engine checks each prompt's lowest, then highest id (`validate_token_ids`);
+    a negative id is refused before that by the request model (render, as native)."""
+    for prompt, message in (
+        ([4294967296, *range(1, 20)], "Token id 4294967296 is out of vocabulary"),
+        ([[1, 2], [10**6, 3]], "Token id 1000000 is out of vocabulary"),
+        ([-1, 2], "validation error"),
+    ):
         response = httpx.post(
             gw.base_url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3}, timeout=30
         )
         assert response.status_code == 400
-        assert _error(response.content)["code"] == "invalid_token_id"
+        error = _error(response.content)
+        assert message in error["message"] and error["code"] == 400, error
     assert [r.path for sim in gw.sims for r in sim.received] == []
 
 
