@@ -141,11 +141,13 @@ class Services:
             body = await parse_body(content_type, raw)  # native's refusals before any route
         except GatewayError as error:
             return self, Local(error.status, error.body)
+        api = self.apis[handler]
         try:
             Tenancy.check_model(FLOW.get() or Flow(), body.get("model"))
             base = self.base_for(body.get("model"))
         except GatewayError as error:
-            return self, Local(error.status, self.apis[handler].error(error.status, error.body))
+            refused = await api.refused(handler, body, raw, request_id) if error.status == 404 else None
+            return self, refused or Local(error.status, api.error(error.status, error.body))
         return base, await base.apis[handler].plan(handler, body, raw, request_id)
 
     async def bodiless(self, handler: str, content_type: str | None) -> GatewayError:

@@ -15,6 +15,8 @@ import orjson
 from pydantic import ValidationError
 
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.render_in_process import as_fastapi_validates
+from ext_proc.planning.plan import Local
 
 UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
 UNPARSABLE = b'{"detail":"There was an error parsing the body"}'  # FastAPI's HTTPException(400)
@@ -63,6 +65,21 @@ async def _json(raw: bytes) -> Any:
         raise GatewayError(400, "there was an error parsing the body", body=UNPARSABLE) from exc
 
 
+async def refused_by(model: Any, raw: bytes) -> Local | None:
+    """Native's answer when its request `model` refuses the body (None: it takes it). FastAPI
+    validates the parsed JSON before the route runs, so before the route looks up its model;
+    a model's own validator may raise vLLM's client error, which native's handlers answer."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        as_fastapi_validates(model, orjson.loads(raw))
+    except ValidationError as exc:
+        return Local(400, await validation_error(exc))
+    except VLLMClientError as exc:
+        return await _handled_exception(exc)
+    return None
+
+
 async def validation_error(exc: ValidationError) -> bytes:
     """vLLM's own 400 for a body its request model refuses (FastAPI locates errors in `body`)."""
     errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
@@ -78,7 +95,19 @@ async def _handled(errors: list[Any]) -> bytes:
     from fastapi.exceptions import RequestValidationError
     from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
-    args = SimpleNamespace(log_error_stack=False)
-    caller = SimpleNamespace(headers={}, app=SimpleNamespace(state=SimpleNamespace(args=args)), state=SimpleNamespace())
-    response = await validation_exception_handler(caller, RequestValidationError(errors))  # type: ignore[arg-type]
+    response = await validation_exception_handler(_caller(), RequestValidationError(errors))  # type: ignore[arg-type]
     return bytes(response.body)
+
+
+async def _handled_exception(exc: Exception) -> Local:
+    """What vLLM's exception handler answers for an exception of the route."""
+    from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
+
+    response = await exception_handler(_caller(), exc)  # type: ignore[arg-type]
+    return Local(response.status_code, bytes(response.body))
+
+
+def _caller() -> Any:
+    """What vLLM's handlers read of the HTTP request: the server's args."""
+    args = SimpleNamespace(log_error_stack=False)
+    return SimpleNamespace(headers={}, app=SimpleNamespace(state=SimpleNamespace(args=args)), state=SimpleNamespace())

@@ -30,11 +30,12 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ext_proc.api.body import validation_error
+from ext_proc.api.body import refused_by, validation_error
 from ext_proc.api.stepped import Stepped
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
 from ext_proc.frontend.render import Renderer, RenderUnavailable
+from ext_proc.frontend.render_in_process import as_fastapi_validates
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, Pipeline
@@ -79,7 +80,7 @@ class MessagesFrontend:
 
         model = AnthropicCountTokensRequest if count_tokens else AnthropicMessagesRequest
         try:
-            request = model.model_validate(body)
+            request = as_fastapi_validates(model, body)
         except ValidationError as exc:
             raise GatewayError(400, "invalid request", body=await validation_error(exc)) from exc
         settings = await self.settings()
@@ -294,3 +295,9 @@ class MessagesApi:
         if isinstance(plan, Local) and plan.status != 200:
             plan = Local(plan.status, anthropic_error(plan.status, plan.body))
         return plan
+
+    async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+
+        model = AnthropicCountTokensRequest if handler == "messages_count_tokens" else AnthropicMessagesRequest
+        return await refused_by(model, raw)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ext_proc.api.body import refused_by
 from ext_proc.errors import GatewayError
+from ext_proc.frontend.render_in_process import request_model
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, Pipeline
@@ -31,3 +33,6 @@ class OpenAIApi:
         except GatewayError as error:
             return Local(error.status, error.body)
         return await self._planner.plan(request, raw, request_id)
+
+    async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
+        return await refused_by(request_model(self.handlers[handler]), raw)

@@ -17,13 +17,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ext_proc.api.body import validation_error
+from ext_proc.api.body import refused_by, validation_error
 from ext_proc.api.conversations import Conversations, native_error
 from ext_proc.api.responses_answer import ResponsesServing, Turn
 from ext_proc.api.responses_history import dumps, history_items, listed_items, turn_messages
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.render_in_process import RenderRoute
+from ext_proc.frontend.render_in_process import RenderRoute, as_fastapi_validates
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import FLOW, Flow, OpenAIRequest, Pipeline
@@ -53,6 +53,11 @@ class ResponsesApi:
 
     def error(self, status: int, body: bytes) -> bytes:
         return body  # native's Responses errors are OpenAI's
+
+    async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return await refused_by(ResponsesRequest, raw)
 
     async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
         try:
@@ -136,10 +141,10 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
 
 
 def _as_native(model: Any, raw: bytes, exc: ValidationError) -> ValidationError:
-    """The errors native's validation finds: FastAPI validates the parsed JSON, whose words
-    differ from JSON validation's for some (a "list", not an "array")."""
+    """The errors native's validation finds (`as_fastapi_validates`): JSON validation's words
+    differ for some (an "array", not a "list")."""
     try:
-        model.model_validate(orjson.loads(raw))
+        as_fastapi_validates(model, orjson.loads(raw))
     except ValidationError as native:
         return native
     except Exception:  # noqa: BLE001 - not a validation error there: JSON validation's stands

@@ -17,7 +17,7 @@ from ext_proc.config import ModelConfig
 from ext_proc.derender.model import DerenderModel
 from ext_proc.frontend.render import Renderer
 from ext_proc.frontend.render_in_process import RenderRoute
-from ext_proc.planning.plan import Plan
+from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 
 
@@ -43,6 +43,12 @@ class ClientApi(Protocol):
 
     async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
         """`body`: `raw` parsed (a JSON object) whose `model` is the planner's base model's."""
+        ...
+
+    async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
+        """Native's answer, in this API's envelope, when its request model refuses `body`
+        (None: it does not): native validates a body before it looks up its model, so a body
+        naming no model served gets this answer first."""
         ...
 
 

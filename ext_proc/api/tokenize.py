@@ -50,6 +50,9 @@ class TokenizeApi:
     def error(self, status: int, body: bytes) -> bytes:
         return body  # native's tokenize errors are OpenAI's
 
+    async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
+        return None  # (render's tokenize routes look the model up first)
+
     async def plan(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Plan:
         path = PATHS[handler]
         if self._pool is None:
@@ -86,13 +89,6 @@ def in_process_routes() -> dict[str, RenderRoute]:
     }
 
 
-class _Validated:
-    """A route's request model as FastAPI applies it (`model_validate`, as `RenderRoute` calls it)."""
-
-    def __init__(self, validate: Callable[[Any], Any]) -> None:
-        self.model_validate = validate
-
-
 def _served(method: str) -> Callable[[Any, Any, Any], Awaitable[Any]]:
     """`ServingTokenization.<method>` on the validated body, as the route calls it."""
 
@@ -103,20 +99,20 @@ def _served(method: str) -> Callable[[Any, Any, Any], Awaitable[Any]]:
 
 
 @functools.cache
-def _tokenize_model() -> _Validated:
+def _tokenize_model() -> Any:
     """`TokenizeRequest` is a union (completions or chat form): validated as FastAPI validates
     the route's body, with a `TypeAdapter`."""
     from pydantic import TypeAdapter
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
 
-    return _Validated(TypeAdapter(TokenizeRequest).validate_python)
+    return TypeAdapter(TokenizeRequest)
 
 
 @functools.cache
-def _detokenize_model() -> _Validated:
+def _detokenize_model() -> Any:
     from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
-    return _Validated(DetokenizeRequest.model_validate)
+    return DetokenizeRequest
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ext_proc.config import ModelConfig
 from ext_proc.extras import PROCESSOR, require
@@ -47,6 +47,20 @@ def _completion_model() -> Any:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     return CompletionRequest
+
+
+def as_fastapi_validates(model: Any, body: Any) -> Any:
+    """`body` (parsed JSON) validated as FastAPI validates a route's body (`fastapi/_compat/v2.py`:
+    Python mode, from attributes), so a refusal carries native's words: "a valid list", not
+    JSON mode's "a valid array"; "a valid dictionary or object to extract fields from"."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return model.model_validate(body, from_attributes=True)
+    return model.validate_python(body, from_attributes=True)  # a TypeAdapter (a union of models)
+
+
+def request_model(pipeline: Pipeline) -> Any:
+    """vLLM's request model of a pipeline's route (what its render and its API server validate with)."""
+    return _chat_model() if pipeline is Pipeline.CHAT else _completion_model()
 
 
 _CHAT = RenderRoute(_chat_model, lambda serving, parsed, caller: serving.render_chat_request(parsed, caller))
@@ -141,7 +155,7 @@ class InProcessRender:
             return 404, b'{"detail":"Not Found"}'
         caller = self._caller(request_id)
         try:
-            parsed = route.model().model_validate(orjson.loads(raw))
+            parsed = as_fastapi_validates(route.model(), orjson.loads(raw))
             result: Any = await route.render(self._serving, parsed, caller)
         except ValidationError as exc:
             return await self._invalid(exc)

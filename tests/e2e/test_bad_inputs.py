@@ -77,3 +77,29 @@ def test_an_empty_or_out_of_range_input_is_refused_as_native_refuses_it(
     native = _post(stack.engine_url, route, raw, JSON)
     assert native[0] == 400
     assert _post(stack.base_url, route, raw, JSON) == native
+
+
+HI = [{"role": "user", "content": "hi"}]
+# Native validates a body with its route's request model before it looks up the model named:
+# a body it refuses gets that answer whatever the model; a valid one naming no model served, 404.
+BEFORE_THE_MODEL = {
+    "chat-no-messages": ("/v1/chat/completions", {"model": "gpt-x", "max_tokens": 3}),
+    "chat-model-not-a-string": ("/v1/chat/completions", {"model": 5, "messages": HI}),
+    "chat-unknown-model": ("/v1/chat/completions", {"model": "gpt-x", "messages": HI}),
+    "completions-no-prompt": ("/v1/completions", {"model": "gpt-x", "max_tokens": 3}),
+    "completions-unknown-model-bad-ids": ("/v1/completions", {"model": "gpt-x", "prompt": [99999999]}),
+    "messages-no-messages": ("/v1/messages", {"model": "claude-x", "max_tokens": 3}),
+    "messages-unknown-model": ("/v1/messages", {"model": "claude-x", "messages": HI, "max_tokens": 3}),
+    "responses-bad-tool-choice": ("/v1/responses", {"model": "gpt-x", "input": "hi", "tool_choice": "bogus"}),
+    "responses-bad-tool-choice-served-model": ("/v1/responses", {"model": "tiny", "input": "hi", "tool_choice": "x"}),
+    "responses-unknown-model": ("/v1/responses", {"model": "gpt-x", "input": "hi", "background": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_THE_MODEL))
+def test_a_body_is_validated_before_its_model_is_looked_up(stack: RunningStack, case: str) -> None:
+    route, body = BEFORE_THE_MODEL[case]
+    raw = orjson.dumps(body)
+    native = _post(stack.engine_url, route, raw, JSON)
+    assert native[0] in (400, 404)
+    assert _post(stack.base_url, route, raw, JSON) == native

@@ -18,7 +18,7 @@ import pytest
 
 from ext_proc.api.tokenize import TokenizeApi, in_process_routes
 from ext_proc.frontend.render import RenderClient
-from ext_proc.frontend.render_in_process import InProcessRender
+from ext_proc.frontend.render_in_process import InProcessRender, as_fastapi_validates
 from ext_proc.frontend.render_pool import RenderMember, RenderPool, pool_member
 from ext_proc.planning.plan import Local
 from scheduler import BreakerState
@@ -229,19 +229,19 @@ async def test_the_in_process_routes_validate_as_vllms_routes() -> None:
     from pydantic import ValidationError
 
     routes = in_process_routes()
-    tokenize, detokenize = routes["/tokenize"].model(), routes["/detokenize"].model()
-    assert type(tokenize.model_validate({"prompt": "hi"})).__name__ == "TokenizeCompletionRequest"
-    chat = tokenize.model_validate({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False})
+    tokenize, detokenize = (partial(as_fastapi_validates, routes[p].model()) for p in ("/tokenize", "/detokenize"))
+    assert type(tokenize({"prompt": "hi"})).__name__ == "TokenizeCompletionRequest"
+    chat = tokenize({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False})
     assert type(chat).__name__ == "TokenizeChatRequest" and chat.add_generation_prompt is False
     with pytest.raises(ValidationError):
-        tokenize.model_validate({"model": "tiny"})
+        tokenize({"model": "tiny"})
     with pytest.raises(ValidationError):
-        detokenize.model_validate({"tokens": [-1]})
+        detokenize({"tokens": [-1]})
     # a model validator's vLLM error (not a ValidationError) is raised as the route's model
     # raises it; `InProcessRender` answers it with vLLM's exception handler, as the sidecar does
     both = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}
     with pytest.raises(Exception, match="Cannot set both") as raised:
-        tokenize.model_validate({**both, "continue_final_message": True})
+        tokenize({**both, "continue_final_message": True})
     assert type(raised.value).__name__ == "VLLMValidationError"
 
 
