@@ -126,8 +126,9 @@ def check_token_ids(prompt: Any, vocab: int | None) -> None:
     for ids in prompt if prompt and isinstance(prompt[0], list) else [prompt]:
         if not ids or not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             continue  # text prompts, tokenized by render
-        bad = min(ids) if min(ids) < 0 else max(ids) if max(ids) >= limit else None
-        if bad is not None:
+        lowest, highest = min(ids), max(ids)
+        if lowest < 0 or highest >= limit:
+            bad = lowest if lowest < 0 else highest
             raise GatewayError(400, f"Token id {bad} is out of vocabulary", code=400, kind="BadRequestError")
 
 
