@@ -377,9 +377,8 @@ def test_a_body_over_the_limit_is_413_and_reaches_nothing(bench: FaultBench) -> 
         (b'{"model": "tiny", "messages": [', {"content-type": "application/json"}, 400),
         (orjson.dumps({**CHAT, "model": "nope"}), {"content-type": "application/json"}, 404),
         (orjson.dumps(CHAT), {"content-type": "text/plain"}, 400),
-        (orjson.dumps({"model": "tiny", "prompt": ""}), {"content-type": "application/json"}, 400),
     ],
-    ids=["malformed", "unknown-model", "wrong-content-type", "empty-prompt"],
+    ids=["malformed", "unknown-model", "wrong-content-type"],
 )
 def test_bad_requests_touch_neither_render_nor_engines(
     bench: FaultBench, body: bytes, headers: dict[str, str], status: int
@@ -390,5 +389,15 @@ def test_bad_requests_touch_neither_render_nor_engines(
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert bench.proxy.calls == []
+    assert [r for sim in gateway.sims for r in sim.received] == []
+    gateway.assert_no_leaks()
+
+
+def test_a_body_render_refuses_gets_its_answer_and_reaches_no_engine(bench: FaultBench) -> None:
+    """Render validates with native's request models: its verdict is the client's answer."""
+    gateway = bench.start()
+    response = bench.post(orjson.dumps({"model": "tiny", "prompt": ""}), path="/v1/completions")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("Either prompt or prompt_embeds must be provided")
     assert [r for sim in gateway.sims for r in sim.received] == []
     gateway.assert_no_leaks()
