@@ -23,7 +23,7 @@ from ext_proc.api.responses_answer import ResponsesServing, Turn
 from ext_proc.api.responses_history import dumps, history_items, listed_items, turn_messages
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.render_in_process import RenderRoute, as_fastapi_validates
+from ext_proc.frontend.render_in_process import RenderRoute
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import FLOW, Flow, OpenAIRequest, Pipeline
@@ -128,9 +128,10 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
 
     try:
         request = ResponsesRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        native = _as_native(ResponsesRequest, raw, exc)
-        raise GatewayError(400, "invalid request", body=await validation_error(native)) from exc
+    except ValidationError as exc:  # native's words are those of its validation (`refused_by`)
+        native = await refused_by(ResponsesRequest, raw)
+        body = native.body if native is not None else await validation_error(exc)
+        raise GatewayError(400, "invalid request", body=body) from exc
     request.request_id = f"resp_{request_id}"
     _refuse_unserved(request, store)
     built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
@@ -138,18 +139,6 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
         raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
     request.store = request.store and store
     return request
-
-
-def _as_native(model: Any, raw: bytes, exc: ValidationError) -> ValidationError:
-    """The errors native's validation finds (`as_fastapi_validates`): JSON validation's words
-    differ for some (an "array", not a "list")."""
-    try:
-        as_fastapi_validates(model, orjson.loads(raw))
-    except ValidationError as native:
-        return native
-    except Exception:  # noqa: BLE001 - not a validation error there: JSON validation's stands
-        return exc
-    return exc
 
 
 def _refuse_unserved(request: Any, store: bool) -> None:
