@@ -124,8 +124,8 @@ class CapabilitiesConfig(Section):
     learns what every engine and render endpoint serves (`ext_proc/fleet/capabilities.py`):
     version, models, max_model_len, LoRA adapters, KV block size and hash, KV event sources,
     whether token-only generate is live (an engine without it is served natively from its
-    first request), and whether its tokenizer agrees with render's (a canary chat rendered
-    and tokenized). An engine routes once its record is complete, and stops at once when a
+    first request), whether its tokenizer agrees with render's (a canary chat rendered
+    and tokenized), and the `system_fingerprint` its native answers carry. An engine routes once its record is complete, and stops at once when a
     probe or liveness check fails; `/ready` is 503 while some pool has no engine that routes.
 
     on_mismatch: what a block size, hash algorithm or max_model_len other than the config's
@@ -150,3 +150,7 @@ class CapabilitiesConfig(Section):
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)  # per liveness check
     health_timeouts: int = Field(default=3, ge=1)
+    # the `system_fingerprint` native answers carry, put on the gateway's where native puts it:
+    # asked of each union engine once per record with one token generated for a few random
+    # ones (off: the gateway's answers carry none; prefill and decode engines are never asked)
+    fingerprint: bool = True

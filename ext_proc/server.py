@@ -213,6 +213,7 @@ def build_services(
         planner.on_breaker = _both(observability.breaker_changed, capabilities.breaker_changed)
         planner.on_engine_failed = capabilities.engine_failed  # a dead engine leaves routing at once
     model = DerenderModel(config.model, answering_block_size(config))
+    model.system_fingerprint = catalog.system_fingerprint  # what the engines' answers carry
     if first is not None:
         conversations = first.conversations
     else:

@@ -59,6 +59,9 @@ class EngineCapabilities:
     kv_event_sources: tuple[str, ...] = ()  # publisher endpoints from /kv_event_sources
     token_only: TokenOnlyRoute = TokenOnlyRoute.UNKNOWN
     canary: tuple[int, ...] | None = None  # its own tokenization of the canary (None: no /tokenize)
+    # what its native answers carry as `system_fingerprint` (its version and config hash;
+    # None: not known, e.g. a token-only engine without /v1/completions)
+    system_fingerprint: str | None = None
     probed_at: float = 0.0
     error: str | None = None
 

@@ -250,6 +250,7 @@ def chat_response(model: DerenderModel, request: TokenizedRequest, generate: dic
         created=int(time.time()),
         model=request.request.response_model(model.served_name),
         choices=choices,
+        system_fingerprint=model.system_fingerprint(),
         usage=usage,
         prompt_token_ids=prompt.token_ids if client.return_token_ids else None,
     )

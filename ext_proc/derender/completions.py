@@ -175,7 +175,7 @@ def completion_response(
             "model": request.request.response_model(model.served_name),
             "choices": choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": model.system_fingerprint(),
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,

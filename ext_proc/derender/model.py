@@ -3,6 +3,7 @@ reasoning/tool parsers built as vLLM builds them, and the usage details native r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,6 +44,8 @@ class DerenderModel:
         self.logprobs = LogprobDecoder(self.tokenizer)
         self.include_reasoning_details = bool(config.reasoning_parser)
         self.block_size = block_size  # the engines' KV block size (`pools[].block_size`)
+        # the engines' `system_fingerprint` as last learned (the model catalog's, once wired)
+        self.system_fingerprint: Callable[[], str | None] = _unknown
 
     def prompt_details(self, chat: bool, prompt_tokens: int, cached: int, whole: bool) -> dict[str, Any]:
         """Native's `prompt_tokens_details` (a stream's without its nulls). Generate reports
@@ -91,6 +94,22 @@ class DerenderModel:
             sampling_params=sampling, prompt_token_ids=prompt.token_ids, prompt_embeds=None, request_id=""
         )
         return IncrementalDetokenizer.from_new_request(self.tokenizer, engine_request)  # type: ignore[arg-type]
+
+
+def _unknown() -> str | None:
+    return None
+
+
+def fingerprinted(chunk: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
+    """A stream's last chunk as native stamps it: `system_fingerprint` before `usage`, when
+    the engines' is known (native's chunk leaves a null out)."""
+    if fingerprint is None:
+        return chunk
+    usage = chunk.pop("usage", None)
+    chunk["system_fingerprint"] = fingerprint
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
 
 
 def cached_tokens(usage: Any) -> int | None:

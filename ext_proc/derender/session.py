@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ext_proc.derender.model import DerenderModel, cached_tokens
+from ext_proc.derender.model import DerenderModel, cached_tokens, fingerprinted
 from ext_proc.derender.streaming import sse_event
 from ext_proc.protocol import PromptTokens, TokenizedRequest
 
@@ -82,6 +82,7 @@ class Session:
         self._continuous_usage = self._include_usage and bool(usage.continuous_usage_stats)
         self._prompt_logprobs: list[Any] | None = None  # a whole answer's (the only ones that carry them)
         self.cached_tokens: int | None = None  # the engine's prefix-cache hits, when it reports them
+        self._fingerprint = model.system_fingerprint()  # the engines' as the stream starts
         # An answer made per step keeps its steps apart: its API parses each one
         self._steps_apart = request.request.per_step
 
@@ -129,14 +130,17 @@ class Session:
         if event.get("prompt_logprobs") is not None:
             self._prompt_logprobs = event["prompt_logprobs"]
         out = self._prelude()
+        fingerprint = self._fingerprint
         for step in event_steps(event):
             chunk = self._step(step)
             if chunk is not None:
-                out.append(chunk)
+                # native stamps the last message: a choice's last chunk, unless usage follows
+                last = step.finish_reason is not None and not self._include_usage
+                out.append(fingerprinted(chunk, fingerprint) if last else chunk)
         if event.get("usage") is not None and not event.get("choices"):
             self.cached_tokens = cached_tokens(event["usage"])
             if self._include_usage:
-                out.append(self._usage_chunk())
+                out.append(fingerprinted(self._usage_chunk(), fingerprint))
         return out
 
     def _prelude(self) -> list[dict[str, Any]]:

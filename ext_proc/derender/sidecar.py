@@ -20,7 +20,7 @@ from ext_proc.config import RenderConfig
 from ext_proc.derender.chat import ChatStream
 from ext_proc.derender.in_process import derender_whole
 from ext_proc.derender.logprobs import chat_logprobs
-from ext_proc.derender.model import DerenderModel
+from ext_proc.derender.model import DerenderModel, fingerprinted
 from ext_proc.derender.sidecar_corrections import (
     StopCut,
     cut_fields,
@@ -152,6 +152,8 @@ class SidecarDerender:
             if stop is not None:
                 cut_fields(choice.get("message") or choice, stop, final=True)
         self._prompt_logprobs(result, request, generate)
+        if (fingerprint := self._model.system_fingerprint()) is not None:  # the engines', not render's
+            result["system_fingerprint"] = fingerprint
         return orjson.dumps(result)
 
     def _prompt_logprobs(self, result: dict[str, Any], request: TokenizedRequest, generate: dict[str, Any]) -> None:
@@ -200,7 +202,8 @@ class SidecarStream:
             else None
         )
         # usage's reasoning_tokens: counted by replaying the events through a parser once, at the end
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = self._include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self._fingerprint = model.system_fingerprint()  # the engines', as native stamps the last chunk
         count = request.api is Pipeline.CHAT and include_usage and model.include_reasoning_details
         self._events: list[dict[str, Any]] | None = [] if count else None
         self._stops: dict[int, StopCut] = {}
@@ -247,6 +250,7 @@ class SidecarStream:
                 self._fix_text_offsets(chunk, index)
         chunk["id"] = self._request.request_id
         chunk["model"] = self._request.request.response_model(self._client.served_name)
+        chunk.pop("system_fingerprint", None)  # /derender's null on every chunk: native's is on the last
         for choice in chunk.get("choices") or ():
             choice["index"] = int(choice.get("index", 0)) + self._index_shift
         if not choices:  # the usage chunk: native serializes it without nulls
@@ -260,6 +264,8 @@ class SidecarStream:
         if self._request.api is Pipeline.CHAT and index >= 0 and index not in self._opened:
             self._opened.add(index)
             opening = sse_event(orjson.dumps(_role_chunk(chunk)))
+        if not choices or (choices[0].get("finish_reason") is not None and not self._include_usage):
+            chunk = fingerprinted(chunk, self._fingerprint)  # native's last message
         return opening + sse_event(orjson.dumps(chunk))
 
     async def _reasoning_tokens(self) -> int:

@@ -244,7 +244,7 @@ class Capabilities:
                 member = self._tokenization.pool.member(name)
                 record: Any = await self._prober.render(name, member.url, member.renderer, now)
             else:
-                record = await self._prober.engine(name, now)
+                record = await self._prober.engine(name, now, *self._fingerprint(name))
         except Exception as exc:  # noqa: BLE001 - whatever it was, the endpoint is probed again later
             if name not in self._due:
                 return  # it left while probed
@@ -263,6 +263,17 @@ class Capabilities:
             self._lora_marks[name] = lora_mark
         self._down.discard(name)  # it answered: a check that fails from now on holds it out again
         self._schedule(name, None)
+
+    def _fingerprint(self, address: str) -> tuple[str | None, bool]:
+        """What the engine's probe needs of its `system_fingerprint`: the one known while its
+        record stands (a restarted engine fails a check first, and is asked again), and
+        whether to ask: a union engine's, when configured. Prefill and decode engines hold KV
+        connectors, whose storage a request that is not a handoff should not touch."""
+        old = self.engines.get(address)
+        known = old.system_fingerprint if old is not None and old.error is None else None
+        joined = self._instances.get(address)
+        union = joined is not None and Role(joined[0].role) is Role.UNION
+        return known, union and self._settings.fingerprint
 
     def _late_limit(self, address: str) -> int:
         """Late liveness answers in a row that make an engine dead: `health_timeouts`, three
@@ -340,7 +351,7 @@ class Capabilities:
         )
         record = self.engines[address]
         if record is not None and verdict.routes:  # its models and adapters, as it lists them
-            self._catalog.listed(address, [dict(card) for card in record.model_cards])
+            self._catalog.listed(address, [dict(card) for card in record.model_cards], record.system_fingerprint)
             self._scheduler.lora.set_registered(address, record.lora_adapters, self._lora_marks.get(address))
         elif record is None or record.error is None:
             # held out for what it serves; one out only for a failure keeps its listing (a

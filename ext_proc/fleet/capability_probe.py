@@ -1,7 +1,7 @@
 """Probing one engine or render endpoint for capability negotiation (`capabilities.py`
 holds the records and decides with them): the HTTP requests and what their answers parse into.
 
-Per engine (all GETs, and two POSTs that cost the engine nothing):
+Per engine (all GETs, two POSTs that cost the engine nothing, and one that costs a union engine a token once):
 - `/version`; `/v1/models` (served names, `root`, `max_model_len`, LoRA adapters by `parent`);
 - `/metrics`: `vllm:cache_config_info` (block size, prefix-caching hash algorithm);
 - `/kv_event_sources` (where its KV events are published, where the engine serves it);
@@ -9,6 +9,11 @@ Per engine (all GETs, and two POSTs that cost the engine nothing):
   answer without `--enable-scale-out`, 404 no such route (`TokenOnlyRoute`);
 - `POST /tokenize` of a fixed canary chat: its own tokenizer's ids, compared with render's
   (made semantic first under token obfuscation: an engine on permuted weights answers physical ids).
+- once per union engine while its record stands (`capabilities.fingerprint`): `POST
+  /v1/completions` of one token for a few random ones, for the `system_fingerprint` native
+  answers carry (vLLM's version and config hash; nothing else the engine serves shows it).
+  Random, so that no prefix cache, local or a KV connector's, holds it: vLLM 0.32 behind a
+  shared-storage connector dies on a prompt found whole in storage (seen on a decode engine).
 Per render endpoint: `/version`, `/v1/models` and the same canary rendered. Between probes,
 `GET /health` alone tells whether an engine is alive (`Prober.alive`).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from dataclasses import replace
 from typing import Any
 
@@ -148,8 +154,11 @@ class Prober:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def engine(self, address: str, now: float) -> EngineCapabilities:
-        """One engine's record; httpx.HTTPError or ValueError when its model list is unreadable."""
+    async def engine(
+        self, address: str, now: float, fingerprint: str | None = None, asks: bool = True
+    ) -> EngineCapabilities:
+        """One engine's record; httpx.HTTPError or ValueError when its model list is unreadable.
+        `fingerprint`: its `system_fingerprint` as already known, else asked of it if `asks`."""
         base = f"http://{address}"
         models = parse_models(await self._json(base + "/v1/models"))
         probe = await self._post(base + GENERATE_PATH, {})
@@ -159,6 +168,9 @@ class Prober:
             self._optional(self._json(base + "/kv_event_sources")),
             self._optional(self._post(base + "/tokenize", {"model": self._served_name, "messages": CANARY_CHAT})),
         )
+        if fingerprint is None and asks:
+            model = models["served_models"][0] if models["served_models"] else self._served_name
+            fingerprint = await self._optional(self._fingerprint(base, model))
         cache = parse_cache_config(metrics.text) if metrics is not None and metrics.status_code == 200 else {}
         canary = None
         if tokenized is not None and tokenized.status_code == 200:
@@ -175,8 +187,18 @@ class Prober:
             kv_event_sources=parse_kv_event_sources(sources),
             token_only=token_only_route(probe.status_code),
             canary=canary,
+            system_fingerprint=fingerprint,
             probed_at=now,
         )
+
+    async def _fingerprint(self, base: str, model: str) -> str | None:
+        """The `system_fingerprint` of the engine's native answers: one token generated for a
+        few random ids (too short to fill a KV block: no prefix-cache entry, no KV event)."""
+        prompt = random.sample(range(100, 1000), 4)  # ordinary ids in any vocabulary
+        response = await self._post(base + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
+        body = orjson.loads(response.content) if response.status_code == 200 else None
+        value = body.get("system_fingerprint") if isinstance(body, dict) else None
+        return value if isinstance(value, str) else None
 
     async def render(self, endpoint: str, url: str | None, renderer: Renderer, now: float) -> RenderCapabilities:
         """A render endpoint's record: what it renders the canary into, and (`url`: a render

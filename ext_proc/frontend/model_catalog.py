@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -28,16 +28,31 @@ class ModelCatalog:
         self._configured = {a.name: a.path or "" for a in model.adapters}
         self._engine_cards: dict[str, tuple[Card, ...]] = {}  # per engine address
         self._adapters = dict(self._configured)  # every adapter: name -> path (a request's lookup)
+        self._fingerprints: dict[str, str] = {}  # per engine address, those known
+        self._fingerprint: str | None = None
 
-    def listed(self, address: str, cards: Sequence[Card]) -> None:
+    def listed(self, address: str, cards: Sequence[Card], fingerprint: str | None = None) -> None:
         """What an engine's /v1/models listed (its capability record), kept for /v1/models
-        and for the adapters it names."""
+        and for the adapters it names, and the `system_fingerprint` of its native answers."""
         self._engine_cards[address] = tuple(cards)
         self._adapters = self._found()
+        if fingerprint is None:
+            self._fingerprints.pop(address, None)
+        else:
+            self._fingerprints[address] = fingerprint
+        self._fingerprint = _agreed(self._fingerprints.values())
 
     def forget(self, address: str) -> None:
         self._engine_cards.pop(address, None)
         self._adapters = self._found()
+        self._fingerprints.pop(address, None)
+        self._fingerprint = _agreed(self._fingerprints.values())
+
+    def system_fingerprint(self) -> str | None:
+        """What the model's answers carry as `system_fingerprint`: the value its engines' native
+        answers carry when they agree (one vLLM version and config); None when none is known or
+        they differ (a pool of mixed versions or configs)."""
+        return self._fingerprint
 
     def adapters(self) -> dict[str, str]:
         """Every adapter of the base: name -> path (config first, then as engines list them)."""
@@ -88,6 +103,11 @@ def models_body(catalogs: Sequence[ModelCatalog]) -> bytes:
             cards.setdefault(str(card.get("id")), card)
     ordered = sorted(cards.values(), key=lambda card: card.get("parent") is not None)  # stable
     return orjson.dumps({"object": "list", "data": ordered})
+
+
+def _agreed(values: Iterable[str]) -> str | None:
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else None
 
 
 def not_found(requested: str, base_names: Sequence[str]) -> GatewayError:

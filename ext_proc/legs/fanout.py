@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from ext_proc.derender.model import fingerprinted
 from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.legs.relay import OwnedContext, PromptStream
@@ -148,6 +149,7 @@ class FanOut:
             "choices": [],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion},
         }
+        chunk = fingerprinted(chunk, self._ctx.planner.catalog.system_fingerprint())
         # native reports the cached tokens of the batch's first result
         first = self._first or self.prompts[0]
         if (cached := first.cached_tokens) is not None:

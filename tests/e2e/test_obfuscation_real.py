@@ -108,9 +108,10 @@ def test_a_greedy_answer_over_permuted_weights_equals_the_plain_engines_native_o
 
 def _comparable(answer: Answer, native: Answer) -> Answer:
     """`answer` with each float that equals native's to float32 rounding set to native's, and
-    without the prefix-cache counts (two engines, two caches: test_conformance.py compares
-    those); every other difference stays for the comparison to report."""
-    normalized = _snapped(answer.normalized, native.normalized)
+    without the prefix-cache counts and `system_fingerprint` (two engines, two caches, two
+    configs: test_conformance.py compares those); every other difference stays for the
+    comparison to report."""
+    normalized = {k: v for k, v in _snapped(answer.normalized, native.normalized).items() if k != "system_fingerprint"}
     if isinstance(normalized.get("usage"), dict):
         normalized["usage"] = {k: v for k, v in normalized["usage"].items() if k != "prompt_tokens_details"}
     return replace(answer, normalized=normalized)

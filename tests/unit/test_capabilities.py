@@ -56,6 +56,7 @@ CACHE_INFO = (
     'num_gpu_blocks="8192",prefix_caching_hash_algo="sha256_cbor",sliding_window="None"} 1.0'
 )
 EXPECTED = Expected("tiny", 2048, 128, "sha256_cbor")
+FINGERPRINT = "vllm-0.32.0-0123abcd"  # `system_fingerprint` of a 0.32 engine's native answers
 
 
 def record(**fields: object) -> EngineCapabilities:
@@ -203,6 +204,8 @@ class _Engines:
         self.health_status = 200
         self.block_size = 128
         self.health_checks = 0
+        self.fingerprints: dict[str, str] = {}  # what an engine's native answers carry (default: FINGERPRINT)
+        self.completions = 0  # native generations asked of them
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         host = f"{request.url.host}:{request.url.port}"
@@ -222,6 +225,10 @@ class _Engines:
             return httpx.Response(200, text=CACHE_INFO.replace('block_size="128"', f'block_size="{self.block_size}"'))
         if path == "/version":
             return httpx.Response(200, json={"version": "0.32.0"})
+        if path == "/v1/completions":
+            self.completions += 1
+            fingerprint = self.fingerprints.get(host, FINGERPRINT)
+            return httpx.Response(200, json={"object": "text_completion", "system_fingerprint": fingerprint})
         return httpx.Response(404, json={"detail": "Not Found"})
 
 

@@ -21,7 +21,7 @@ from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
 from ext_proc.server import build_scheduler
 from scheduler import Instance, Pick, Role, Scheduler, ScheduleRequest
 from scheduler.dispatch import NO_RECORD
-from tests.unit.test_capabilities import _Engines, wait_until
+from tests.unit.test_capabilities import FINGERPRINT, _Engines, wait_until
 
 NEW = "10.0.0.5:8200"
 
@@ -103,6 +103,7 @@ class _Setup:
             and address not in self.scheduler.held_out
             and not self.catalog.serves("sql-lora")
             and self.scheduler.lora.holders("sql-lora") == set()
+            and self.catalog.system_fingerprint() is None
         )
 
 
@@ -125,6 +126,41 @@ async def test_a_joined_engine_is_probed_at_once_and_routes_once_its_record_is_c
 
         c.join(s.pool, s.pool.discovered("10.0.0.5", 8200))  # joined twice: the record stays
         assert c.engines[NEW] is record and c._due[NEW].at == now + 30
+
+
+async def test_a_fingerprint_is_asked_once_per_record_and_the_pools_is_what_its_engines_agree_on() -> None:
+    engines = _Engines()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        s = _Setup(http)
+        s.join()
+        c = s.capabilities
+        await c.refresh([NEW])
+        assert s.catalog.system_fingerprint() == FINGERPRINT and engines.completions == 1
+        await c.refresh([NEW])  # a refresh keeps what it knows: no generation
+        assert c.engines[NEW].system_fingerprint == FINGERPRINT and engines.completions == 1  # type: ignore[union-attr]
+
+        engines.down.add(NEW)  # restarted with another config: its record fails first ...
+        await c.refresh([NEW])
+        engines.down.discard(NEW)
+        engines.fingerprints[NEW] = "vllm-0.32.0-feedbeef"
+        await c.refresh([NEW])  # ... and its next probe asks again
+        assert s.catalog.system_fingerprint() == "vllm-0.32.0-feedbeef" and engines.completions == 2
+
+        other = "10.0.0.6:8200"
+        s.join(other)
+        await c.refresh([other])
+        assert s.scheduler.held_out == {} and s.catalog.system_fingerprint() is None  # two configs: none
+        s.leave()
+        assert s.catalog.system_fingerprint() == FINGERPRINT  # the one left's
+
+
+async def test_no_engine_is_asked_for_its_fingerprint_when_config_says_not_to() -> None:
+    engines = _Engines()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as http:
+        s = _Setup(http, _config(fingerprint=False))
+        s.join()
+        await s.capabilities.refresh([NEW])
+        assert s.scheduler.held_out == {} and engines.completions == 0 and s.catalog.system_fingerprint() is None
 
 
 async def test_an_engine_that_is_down_when_it_joins_stays_held_out_and_is_retried() -> None:

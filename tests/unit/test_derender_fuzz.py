@@ -30,8 +30,9 @@ The gateway gets the same `RequestOutput`s as the tokens-out generate endpoint s
 view is compared: accumulated content, reasoning and completion text, tool calls (name,
 concatenated arguments, count, an id that is sent and never changes), finish and stop reasons,
 usage. When every call gets one event, nothing merges and the chunks themselves are compared,
-all but `created` and tool call ids (`_wire`). Native serving runs with no
-`system_fingerprint` (`--fingerprint-mode none`), which the gateway does not send. Any difference fails with the case (body, prompt, steps, seeds) and both views.
+all but `created` and tool call ids (`_wire`): `system_fingerprint` too, which native stamps
+on each choice's last chunk or on the usage chunk, and the gateway with the engines' own (here
+one set on both). Any difference fails with the case (body, prompt, steps, seeds) and both views.
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ class _Env:
         return ids
 
 
+FINGERPRINT = "vllm-0.32.0-0123abcd"
+
+
 @pytest.fixture(scope="module")
 def env(derender_model: Any) -> Iterator[_Env]:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -178,11 +182,15 @@ def env(derender_model: Any) -> Iterator[_Env]:
         online_renderer=None,  # type: ignore[arg-type]
         request_logger=None,
     )
-    # `--fingerprint-mode none`: the gateway cannot know an engine's config hash.
-    chat.system_fingerprint = completion.system_fingerprint = None
+    # The engines' fingerprint, as the gateway learns it from their capability probe
+    chat.system_fingerprint = completion.system_fingerprint = FINGERPRINT
+    unknown, model.system_fingerprint = model.system_fingerprint, lambda: FINGERPRINT
     loop = asyncio.new_event_loop()
-    yield _Env(model, tokenizer, vocab, chat, completion, loop)
-    loop.close()
+    try:
+        yield _Env(model, tokenizer, vocab, chat, completion, loop)
+    finally:
+        loop.close()
+        model.system_fingerprint = unknown
 
 
 # -- one random case ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -45,7 +46,8 @@ def _session(fake: FakeDerender, has_parser: bool = False) -> SidecarStream:
     prompt = PromptTokens.rendered({"token_ids": [1, 2, 3], "sampling_params": {}, "request_id": "chatcmpl-x"})
     tokenized = TokenizedRequest(request, "chatcmpl-x", [prompt])
     client: DerenderClient = fake  # type: ignore[assignment]
-    return SidecarStream(client, tokenized, 0, None)
+    model = SimpleNamespace(system_fingerprint=lambda: None)  # what a stream without a parser reads of it
+    return SidecarStream(client, tokenized, 0, model)  # type: ignore[arg-type]
 
 
 def _pipeline(fake: FakeDerender, has_parser: bool = False) -> StreamDerender:

@@ -108,6 +108,7 @@ def normalize_full(api: Api, body: Mapping[str, Any]) -> Answer:
         "model": body.get("model"),
         "choices": choices,
         "usage": _usage(body.get("usage")),
+        "system_fingerprint": body.get("system_fingerprint"),
     }
     if api == "chat":
         normalized["prompt_logprobs"] = body.get("prompt_logprobs")
@@ -296,6 +297,8 @@ def normalize_stream(api: Api, raw: bytes) -> Answer:
         "model": _one({c.get("model") for c in data}) if data else None,
         "choices": {str(i): _finish_choice(api, acc) for i, acc in sorted(accs.items())},
         "usage": _usage(usage),
+        # one per choice's last chunk, or on the usage chunk alone
+        "system_fingerprint": [c["system_fingerprint"] for c in data if "system_fingerprint" in c],
     }
     if api == "chat":
         normalized["prompt_logprobs"] = None  # never streamed
