@@ -103,3 +103,24 @@ def test_a_body_is_validated_before_its_model_is_looked_up(stack: RunningStack, 
     native = _post(stack.engine_url, route, raw, JSON)
     assert native[0] in (400, 404)
     assert _post(stack.base_url, route, raw, JSON) == native
+
+
+@pytest.mark.parametrize("case", ["invalid-json", "empty-messages"])
+def test_a_refused_request_keeps_its_connection_as_native_does(stack: RunningStack, case: str) -> None:
+    """HTTP/1.1 keep-alive after a 400: the client's next request goes on the same connection."""
+    body = BAD_INPUTS["invalid-json"][0] if case == "invalid-json" else b'{"model": "tiny", "messages": []}'
+    for base_url in (stack.engine_url, stack.base_url):
+        url = urlsplit(base_url)
+        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+        try:
+            connection.request("POST", "/v1/chat/completions", body, {"content-type": JSON})
+            refused = connection.getresponse()
+            refused.read()
+            socket = connection.sock
+            assert (refused.status, refused.getheader("connection"), refused.will_close) == (400, None, False), base_url
+            connection.request("GET", "/v1/models")
+            listed = connection.getresponse()
+            listed.read()
+            assert listed.status == 200 and connection.sock is socket, base_url
+        finally:
+            connection.close()
