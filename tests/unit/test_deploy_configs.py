@@ -384,8 +384,9 @@ def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
     return filters
 
 
-def _mesh_patch() -> dict[str, Any]:
-    (patch,) = _object("EnvoyFilter", "tito-ext-proc")["spec"]["configPatches"]
+def _mesh_patch(applies_to: str = "HTTP_FILTER") -> dict[str, Any]:
+    patches = _object("EnvoyFilter", "tito-ext-proc")["spec"]["configPatches"]
+    (patch,) = [p for p in patches if p["applyTo"] == applies_to]
     return dict(patch)
 
 
@@ -721,6 +722,19 @@ def test_mesh_filter_is_the_rendered_ext_proc_filter(tmp_path: Path) -> None:
     (rendered,) = [f for f in _http_filters(yaml.safe_load(render_bootstrap(config))) if f["name"] == mesh["name"]]
     del rendered["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     assert mesh == rendered
+
+
+def test_the_mesh_gateway_keeps_a_refused_clients_connection_as_the_bootstrap_does(tmp_path: Path) -> None:
+    patch = _mesh_patch("NETWORK_FILTER")
+    assert patch["patch"]["operation"] == "MERGE" and patch["match"]["context"] == "GATEWAY"
+    assert patch["match"]["listener"]["filterChain"]["filter"] == {
+        "name": "envoy.filters.network.http_connection_manager"
+    }
+    merged = patch["patch"]["value"]["typed_config"]
+    bootstrap = yaml.safe_load(render_bootstrap(_cluster_config(tmp_path)))
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert merged["@type"] == hcm["@type"]
+    assert merged["http_protocol_options"] == hcm["http_protocol_options"]
 
 
 def test_bootstrap_with_the_mesh_filter_passes_envoy_validate(tmp_path: Path, envoy_bin: Path) -> None:
