@@ -194,7 +194,7 @@ class Prober:
     async def _fingerprint(self, base: str, model: str) -> str | None:
         """The `system_fingerprint` of the engine's native answers: one token generated for a
         few random ids (too short to fill a KV block: no prefix-cache entry, no KV event)."""
-        prompt = random.sample(range(100, 1000), 4)  # ordinary ids in any vocabulary
+        prompt = random.sample(range(10, 256), 4)  # in any vocabulary (a byte-level one has 256)
         response = await self._post(base + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
         body = orjson.loads(response.content) if response.status_code == 200 else None
         value = body.get("system_fingerprint") if isinstance(body, dict) else None
