@@ -193,6 +193,16 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
         time.sleep(0.1)
 
 
+def wait_for_streams(stack: Stack, address: str, timeout: float) -> int:
+    """The streams the workers have open on `address`, once there is one."""
+
+    def open_there() -> int:
+        return sum(s["scheduler"]["instances"][address]["active_requests"] for s in stack.states())
+
+    wait(lambda: open_there() > 0, timeout, f"a stream on {address}")
+    return open_there()
+
+
 def engine_group(address: str) -> int:
     """The process group of the engine listening on `address`."""
     host, port = address.rsplit(":", 1)
@@ -239,8 +249,11 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     await asyncio.to_thread(wait, lambda: len(stack.routes()) == 2, 900, "both engines route")
     stop = asyncio.Event()
     load = asyncio.create_task(keep_streaming(stack.url, streams, max_tokens, stop, tally))
+    on_victim: list[int] = []  # the streams it held when it was killed (those streaming are relayed)
     for _ in range(cycles):
         await asyncio.sleep(5)  # streams on both
+        # (a kill between two of its streams would test nothing)
+        on_victim.append(await asyncio.to_thread(wait_for_streams, stack, victim, 60))
         os.killpg(engine_group(victim), signal.SIGKILL)
         kills += 1
         await asyncio.to_thread(wait, lambda: victim not in stack.routes(), 30, "the killed engine held out")
@@ -251,6 +264,7 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     return {
         "tally": tally,
         "kills": kills,
+        "on_victim_at_kill": on_victim,
         "restarted_in_s": back,
         "relays": sum(s["relays"] for s in stack.states()),
         "leaks": leaks(stack),
