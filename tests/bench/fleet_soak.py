@@ -199,7 +199,10 @@ def wait_for_streams(stack: Stack, address: str, timeout: float) -> int:
     def open_there() -> int:
         return sum(s["scheduler"]["instances"][address]["active_requests"] for s in stack.states())
 
-    wait(lambda: open_there() > 0, timeout, f"a stream on {address}")
+    try:
+        wait(lambda: open_there() > 0, timeout, f"a stream on {address}")
+    except TimeoutError as exc:  # with what each worker's scheduler says of the instances
+        raise TimeoutError(f"{exc}: {[s['scheduler']['instances'] for s in stack.states()]}") from None
     return open_there()
 
 
