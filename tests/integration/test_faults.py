@@ -3,6 +3,7 @@ fault-injecting proxy), over engine simulators. Each test also proves nothing le
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,19 @@ class FaultBench:
             self.gateway.base_url + path, content=content, headers=headers, timeout=30, trust_env=False, **kw
         )
 
+    def started(self) -> SimGateway:
+        assert self.gateway is not None
+        return self.gateway
+
+    def forget(self) -> None:
+        """No fault scripted, and what the proxy and the engines saw forgotten: a test of its
+        own on a gateway shared by tests that leave no state on it (breaker, fallback)."""
+        self.proxy.faults.clear()
+        self.proxy.calls.clear()
+        for sim in self.started().sims:
+            sim.fault = None
+            sim.received.clear()
+
     def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.gateway.stop()
@@ -59,9 +73,43 @@ class FaultBench:
 
 @pytest.fixture
 def bench(stack: RunningStack, tmp_path: Path) -> Iterator[FaultBench]:
+    """A gateway of the test's own (started with the test's config): for faults that leave
+    state behind. A start costs seconds (the processor imports vLLM)."""
     started = FaultBench(stack, tmp_path)
     yield started
     started.stop()
+
+
+@contextlib.contextmanager
+def _shared(stack: RunningStack, work: Path, **sections: Any) -> Iterator[FaultBench]:
+    started = FaultBench(stack, work)
+    try:
+        started.start(**sections)
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def _default_bench(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultBench]:
+    with _shared(stack, tmp_path_factory.mktemp("faults-default")) as started:
+        yield started
+
+
+@pytest.fixture
+def shared(_default_bench: FaultBench) -> FaultBench:
+    """The module's gateway of the default config, for tests that script no fault: each test
+    starts from nothing seen."""
+    _default_bench.forget()
+    return _default_bench
+
+
+@pytest.fixture(scope="module")
+def derender_bench(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultBench]:
+    """One gateway for every derender fault: none counts against a breaker (each test checks)."""
+    sections = {"render_config": {"timeout_ms": 800}, "derender": {"mode": "sidecar"}}
+    with _shared(stack, tmp_path_factory.mktemp("faults-derender"), **sections) as started:
+        yield started
 
 
 def _sse_events(text: str) -> list[str]:
@@ -143,11 +191,11 @@ def test_render_timeout_and_invalid_body_fall_back(bench: FaultBench, fault: str
     assert len(_native_calls(gateway)) == 1 and _generate_calls(gateway) == []
 
 
-def test_render_400_reaches_the_client_unchanged(bench: FaultBench, stack: RunningStack) -> None:
-    gateway = bench.start()
+def test_render_400_reaches_the_client_unchanged(shared: FaultBench, stack: RunningStack) -> None:
+    gateway = shared.started()
     bad = {**CHAT, "max_tokens": -1}
     direct = httpx.post(stack.config.render_config.endpoint.url + "/v1/chat/completions/render", json=bad, timeout=10)
-    response = bench.post(bad)
+    response = shared.post(bad)
     assert response.status_code == direct.status_code == 400
     assert response.json() == direct.json()
     state = gateway.assert_no_leaks()
@@ -325,12 +373,15 @@ DERENDER_FAULTS = [
 )
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
 def test_derender_failures_map_to_response_errors_without_reinference(
-    bench: FaultBench, fault: RenderFault, status: int, code: str, stream: bool
+    derender_bench: FaultBench, fault: RenderFault, status: int, code: str, stream: bool
 ) -> None:
     # the sidecar's /derender is what fails here (in-process derender makes no call)
-    gateway = bench.start(render_config={"timeout_ms": 800}, derender={"mode": "sidecar"})
+    bench = derender_bench
+    bench.forget()
+    gateway = bench.started()
     bench.proxy.faults.append(RenderFault(fault.target, fault.kind, fault.status, fault.body, stream=stream))
     response = bench.post(STREAM if stream else CHAT)
+    bench.proxy.faults.clear()
     if stream:
         assert response.status_code == 200  # already streaming: the error ends the stream
         events = _sse_events(response.text)
@@ -354,20 +405,20 @@ def test_derender_failures_map_to_response_errors_without_reinference(
 
 
 @pytest.mark.parametrize("mib", [6, 30])
-def test_large_chat_bodies_go_through(bench: FaultBench, mib: int) -> None:
-    gateway = bench.start()
+def test_large_chat_bodies_go_through(shared: FaultBench, mib: int) -> None:
+    gateway = shared.started()
     big = {**CHAT, "metadata": {"blob": "x" * (mib << 20)}}
-    response = bench.post(big)
+    response = shared.post(big)
     assert response.status_code == 200 and response.json()["object"] == "chat.completion"
     assert len(_generate_calls(gateway)) == 1
     gateway.assert_no_leaks()
 
 
-def test_a_body_over_the_limit_is_413_and_reaches_nothing(bench: FaultBench) -> None:
-    gateway = bench.start()
-    response = bench.post({**CHAT, "metadata": {"blob": "x" * (33 << 20)}})
+def test_a_body_over_the_limit_is_413_and_reaches_nothing(shared: FaultBench) -> None:
+    gateway = shared.started()
+    response = shared.post({**CHAT, "metadata": {"blob": "x" * (33 << 20)}})
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-    assert bench.proxy.calls == [] and [r for sim in gateway.sims for r in sim.received] == []
+    assert shared.proxy.calls == [] and [r for sim in gateway.sims for r in sim.received] == []
     gateway.assert_no_leaks()
 
 
@@ -381,22 +432,22 @@ def test_a_body_over_the_limit_is_413_and_reaches_nothing(bench: FaultBench) -> 
     ids=["malformed", "unknown-model", "wrong-content-type"],
 )
 def test_bad_requests_touch_neither_render_nor_engines(
-    bench: FaultBench, body: bytes, headers: dict[str, str], status: int
+    shared: FaultBench, body: bytes, headers: dict[str, str], status: int
 ) -> None:
-    gateway = bench.start()
+    gateway = shared.started()
     path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
-    response = bench.post(body, path=path, headers=headers)
+    response = shared.post(body, path=path, headers=headers)
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert bench.proxy.calls == []
+    assert shared.proxy.calls == []
     assert [r for sim in gateway.sims for r in sim.received] == []
     gateway.assert_no_leaks()
 
 
-def test_a_body_render_refuses_gets_its_answer_and_reaches_no_engine(bench: FaultBench) -> None:
+def test_a_body_render_refuses_gets_its_answer_and_reaches_no_engine(shared: FaultBench) -> None:
     """Render validates with native's request models: its verdict is the client's answer."""
-    gateway = bench.start()
-    response = bench.post(orjson.dumps({"model": "tiny", "prompt": ""}), path="/v1/completions")
+    gateway = shared.started()
+    response = shared.post(orjson.dumps({"model": "tiny", "prompt": ""}), path="/v1/completions")
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("Either prompt or prompt_embeds must be provided")
     assert [r for sim in gateway.sims for r in sim.received] == []

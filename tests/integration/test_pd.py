@@ -31,6 +31,13 @@ class PdBench:
     def generate_calls(self, role: str) -> list[dict[str, Any]]:
         return [r.json() for sim in self.sims(role) for r in sim.generate_requests()]
 
+    def forget(self) -> None:
+        """What the engines received forgotten (the next request of a test that sends several)."""
+        for group in self.servers.values():
+            for server in group:
+                server.sim.received.clear()
+                server.sim.trigger_callbacks.clear()
+
     def calls(self, role: str) -> list[tuple[str, dict[str, Any]]]:
         """(engine, generate body) of every generate the role's engines received."""
         return [(sim.address, r.json()) for sim in self.sims(role) for r in sim.generate_requests()]
@@ -84,8 +91,13 @@ def trigger(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
         yield pd
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_handoff_is_one_prefill_then_one_decode_with_its_params(bench: PdBench, stream: bool) -> None:
+def test_handoff_is_one_prefill_then_one_decode_with_its_params(bench: PdBench) -> None:
+    for stream in (False, True):  # (one gateway: a start costs seconds)
+        bench.forget()
+        _handoff(bench, stream)
+
+
+def _handoff(bench: PdBench, stream: bool) -> None:
     response = httpx.post(bench.gateway.base_url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
     assert response.status_code == 200
     if stream:
@@ -160,8 +172,13 @@ def test_a_client_leaving_during_decode_leaves_nothing(bench: PdBench) -> None:
     assert sum(s.streams_cut for s in bench.sims("decode")) == 1
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_trigger_sends_decode_first_and_prefill_when_its_engine_calls_back(trigger: PdBench, stream: bool) -> None:
+def test_trigger_sends_decode_first_and_prefill_when_its_engine_calls_back(trigger: PdBench) -> None:
+    for stream in (False, True):
+        trigger.forget()
+        _trigger(trigger, stream)
+
+
+def _trigger(trigger: PdBench, stream: bool) -> None:
     response = httpx.post(
         trigger.gateway.base_url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30
     )
@@ -238,8 +255,13 @@ def _pairs(bench: PdBench) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     return pairs
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_a_batch_is_one_handoff_per_prompt_merged_as_one_answer(no_union: PdBench, stream: bool) -> None:
+def test_a_batch_is_one_handoff_per_prompt_merged_as_one_answer(no_union: PdBench) -> None:
+    for stream in (False, True):
+        no_union.forget()
+        _batch_handoff(no_union, stream)
+
+
+def _batch_handoff(no_union: PdBench, stream: bool) -> None:
     body = {**BATCH, "stream": stream, "stream_options": {"include_usage": True}} if stream else BATCH
     response = httpx.post(no_union.gateway.base_url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 200
@@ -335,15 +357,17 @@ def test_relay_under_handoff_prefills_the_replay_prompt_again(relaying: PdBench,
     assert relaying.generate_calls("union") == []
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_a_trigger_batch_goes_the_native_path(stack: RunningStack, tmp_path: Path, stream: bool) -> None:
+def test_a_trigger_batch_goes_the_native_path(stack: RunningStack, tmp_path: Path) -> None:
     with _pd_gateway(stack, tmp_path, ["concurrent_engine_sync"], union=0) as trigger:
-        body = {**BATCH, "stream": stream}
-        response = httpx.post(trigger.gateway.base_url + "/v1/completions", json=body, timeout=30)
-        assert response.status_code == 200
-        native = [r for sim in trigger.sims("decode") for r in sim.received if r.path == "/v1/completions"]
-        assert len(native) == 1 and native[0].json()["prompt"] == BATCH["prompt"]
-        assert trigger.generate_calls("prefill") == trigger.generate_calls("decode") == []
+        for stream in (False, True):
+            trigger.forget()
+            response = httpx.post(
+                trigger.gateway.base_url + "/v1/completions", json={**BATCH, "stream": stream}, timeout=30
+            )
+            assert response.status_code == 200
+            native = [r for sim in trigger.sims("decode") for r in sim.received if r.path == "/v1/completions"]
+            assert len(native) == 1 and native[0].json()["prompt"] == BATCH["prompt"]
+            assert trigger.generate_calls("prefill") == trigger.generate_calls("decode") == []
 
 
 @pytest.fixture
