@@ -301,7 +301,8 @@ class LocalStack:
         return engines
 
     def start_gateway(self) -> None:
-        """Processor and Envoy: ready in about a second."""
+        """Processor and Envoy: ready in seconds (most of it the processor importing vLLM's
+        parsers and request models)."""
         self._add("processor", [sys.executable, "-m", "ext_proc.cli", "processor"], self._config_env())
         self.start_envoy()
 

@@ -47,7 +47,8 @@ class PdBench:
 def _pd_gateway(
     stack: RunningStack, work: Path, decode_capabilities: list[str], union: int = 1, **sections: Any
 ) -> Iterator[PdBench]:
-    """A gateway of its own per test (breaker state never carries over), ~2 s to start."""
+    """A gateway of its own per test (breaker state never carries over). A start costs 6-8 s
+    (the processor imports vLLM), so a test's requests that script no fault share it."""
     servers = {
         role: [SimServer(EngineSim()).start() for _ in range(n)]
         for role, n in (("prefill", 2), ("decode", 2), ("union", union))
