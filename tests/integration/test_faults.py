@@ -105,11 +105,18 @@ def shared(_default_bench: FaultBench) -> FaultBench:
 
 
 @pytest.fixture(scope="module")
-def derender_bench(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultBench]:
-    """One gateway for every derender fault: none counts against a breaker (each test checks)."""
+def _sidecar_bench(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultBench]:
     sections = {"render_config": {"timeout_ms": 800}, "derender": {"mode": "sidecar"}}
     with _shared(stack, tmp_path_factory.mktemp("faults-derender"), **sections) as started:
         yield started
+
+
+@pytest.fixture
+def sidecar(_sidecar_bench: FaultBench) -> FaultBench:
+    """The module's gateway that derenders through the sidecar, for the derender faults: none
+    counts against a breaker (each test checks). Each test starts from nothing seen."""
+    _sidecar_bench.forget()
+    return _sidecar_bench
 
 
 def _sse_events(text: str) -> list[str]:
@@ -373,15 +380,12 @@ DERENDER_FAULTS = [
 )
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
 def test_derender_failures_map_to_response_errors_without_reinference(
-    derender_bench: FaultBench, fault: RenderFault, status: int, code: str, stream: bool
+    sidecar: FaultBench, fault: RenderFault, status: int, code: str, stream: bool
 ) -> None:
     # the sidecar's /derender is what fails here (in-process derender makes no call)
-    bench = derender_bench
-    bench.forget()
-    gateway = bench.started()
-    bench.proxy.faults.append(RenderFault(fault.target, fault.kind, fault.status, fault.body, stream=stream))
-    response = bench.post(STREAM if stream else CHAT)
-    bench.proxy.faults.clear()
+    gateway = sidecar.started()
+    sidecar.proxy.faults.append(RenderFault(fault.target, fault.kind, fault.status, fault.body, stream=stream))
+    response = sidecar.post(STREAM if stream else CHAT)
     if stream:
         assert response.status_code == 200  # already streaming: the error ends the stream
         events = _sse_events(response.text)
