@@ -194,16 +194,18 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
 
 
 def wait_for_streams(stack: Stack, address: str, timeout: float) -> int:
-    """The streams the workers have open on `address`, once there is one."""
+    """The streams the workers have open on `address`, once there is one (the count the wait saw)."""
+    held = [0]
 
-    def open_there() -> int:
-        return sum(s["scheduler"]["instances"][address]["active_requests"] for s in stack.states())
+    def open_there() -> bool:
+        held[0] = sum(s["scheduler"]["instances"][address]["active_requests"] for s in stack.states())
+        return held[0] > 0
 
     try:
-        wait(lambda: open_there() > 0, timeout, f"a stream on {address}")
+        wait(open_there, timeout, f"a stream on {address}")
     except TimeoutError as exc:  # with what each worker's scheduler says of the instances
         raise TimeoutError(f"{exc}: {[s['scheduler']['instances'] for s in stack.states()]}") from None
-    return open_there()
+    return held[0]
 
 
 def engine_group(address: str) -> int:
