@@ -32,6 +32,7 @@ import httpx
 import psutil
 
 from ext_proc.config import TitoConfig
+from ext_proc.fleet.engine_metrics import parse_engine_metrics
 from ext_proc.tools.elastic_pool import read_state, request_scale
 from ext_proc.tools.local_stack import run_dir
 from tests.bench.sse import DONE, events, story_chat
@@ -194,18 +195,22 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
 
 
 def wait_for_streams(stack: Stack, address: str, timeout: float) -> int:
-    """The streams the workers have open on `address`, once there is one (the count the wait saw)."""
-    held = [0]
+    """The requests engine `address` is generating, once there is one (vLLM's own running
+    gauge). The processor's count is not enough: a stream it still holds may be generated
+    to its end and sitting in its socket, and a kill then breaks nothing, so nothing is
+    relayed (only later requests sent to the dead engine are retried elsewhere)."""
+    running = [0]
 
-    def open_there() -> bool:
-        held[0] = sum(s["scheduler"]["instances"][address]["active_requests"] for s in stack.states())
-        return held[0] > 0
+    def generating() -> bool:
+        text = httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
+        running[0] = parse_engine_metrics(text, 0.0).running
+        return running[0] > 0
 
     try:
-        wait(open_there, timeout, f"a stream on {address}")
+        wait(generating, timeout, f"a request generating on {address}")
     except TimeoutError as exc:  # with what each worker's scheduler says of the instances
         raise TimeoutError(f"{exc}: {[s['scheduler']['instances'] for s in stack.states()]}") from None
-    return held[0]
+    return running[0]
 
 
 def engine_group(address: str) -> int:
@@ -254,7 +259,7 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     await asyncio.to_thread(wait, lambda: len(stack.routes()) == 2, 900, "both engines route")
     stop = asyncio.Event()
     load = asyncio.create_task(keep_streaming(stack.url, streams, max_tokens, stop, tally))
-    on_victim: list[int] = []  # the streams it held when it was killed (those streaming are relayed)
+    on_victim: list[int] = []  # the requests it was generating when killed (their streams are relayed)
     for _ in range(cycles):
         await asyncio.sleep(5)  # streams on both
         # (a kill between two of its streams would test nothing)
