@@ -194,7 +194,7 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
         time.sleep(0.1)
 
 
-def wait_for_streams(stack: Stack, address: str, timeout: float) -> int:
+def wait_until_generating(stack: Stack, address: str, timeout: float) -> int:
     """The requests engine `address` is generating, once there is one (vLLM's own running
     gauge). The processor's count is not enough: a stream it still holds may be generated
     to its end and sitting in its socket, and a kill then breaks nothing, so nothing is
@@ -263,7 +263,7 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     for _ in range(cycles):
         await asyncio.sleep(5)  # streams on both
         # (a kill between two of its streams would test nothing)
-        on_victim.append(await asyncio.to_thread(wait_for_streams, stack, victim, 60))
+        on_victim.append(await asyncio.to_thread(wait_until_generating, stack, victim, 60))
         os.killpg(engine_group(victim), signal.SIGKILL)
         kills += 1
         await asyncio.to_thread(wait, lambda: victim not in stack.routes(), 30, "the killed engine held out")
