@@ -15,8 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ext_proc.admin import readiness
+from ext_proc.envoy_protocol.h2_server import NOT_FOUND, GrpcError
 from ext_proc.services import Services
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 LIVENESS = "liveness"
 READY_SERVICES = frozenset({"", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"})
 Status = health_pb2.HealthCheckResponse.ServingStatus
@@ -35,14 +37,17 @@ class Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             return Status.Value("SERVING" if ready else "NOT_SERVING")
         return None
 
-    async def Check(  # noqa: N802 - the gRPC method name
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
+    async def check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         status = self.status(request.service)
         if status is None:  # the protocol's answer for an unknown service
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise GrpcError(NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-
-def add_health(services: Services, server: grpc.aio.Server) -> None:
-    health_pb2_grpc.add_HealthServicer_to_server(Health(services), server)
+    async def Check(  # noqa: N802 - the gRPC method name (`processor.grpc_server: grpcio`)
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        try:
+            return await self.check(request)
+        except GrpcError as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, error.message)
+            raise

@@ -6,10 +6,11 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ext_proc.admin import start_admin, state
 from ext_proc.api.conversation_store import build_conversation_store
@@ -23,6 +24,8 @@ from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.bootstrap import discovered
 from ext_proc.envoy_protocol.endpoints import EndpointsFile
 from ext_proc.envoy_protocol.exchange import Exchange
+from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method, Send
+from ext_proc.envoy_protocol.stream import PROCESS
 from ext_proc.errors import GatewayError
 from ext_proc.fleet.capabilities import Capabilities
 from ext_proc.fleet.http_client import CountingTransport, http_client
@@ -32,7 +35,7 @@ from ext_proc.frontend.model_catalog import ModelCatalog
 from ext_proc.frontend.render import RenderClient
 from ext_proc.frontend.render_pool import RenderPool, pool_member
 from ext_proc.frontend.tokenization import LocalTokenizer, TokenizationService
-from ext_proc.health import add_health
+from ext_proc.health import HEALTH_CHECK, Health
 from ext_proc.legs.trigger import Triggers
 from ext_proc.loop_lag import LoopLag
 from ext_proc.model_files import vocab_size
@@ -60,6 +63,9 @@ from scheduler import (
 from scheduler.lora import AdapterPlacement
 
 log = logging.getLogger("tito.ext_proc")
+# A fixed receive window per stream: Envoy cannot push request bodies far ahead of what the
+# processor has read and counted.
+STREAM_WINDOW = 1 << 20
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -71,22 +77,32 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def Process(  # noqa: N802 - the gRPC method name
+    async def process(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], send: Send) -> None:
+        """One ext_proc stream on the processor's own HTTP/2 server (`processor.grpc_server: h2`),
+        which cancels this task when the stream ends early."""
+        await self._exchange(Exchange(self._services), messages, send)
+
+    async def Process(  # noqa: N802 - the gRPC method name (`processor.grpc_server: grpcio`)
         self,
         request_iterator: AsyncIterator[ext_proc_pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[ext_proc_pb.ProcessingResponse]:
+    ) -> None:
         exchange = Exchange(self._services)
-        exchange.start(request_iterator)
-        # gRPC may drop this generator suspended (the RPC cancelled while a reply was being
+        # gRPC may drop this handler suspended (the RPC cancelled while a reply was being
         # sent) and never resume it: the exchange is closed when the RPC ends, whatever happens.
         loop = asyncio.get_running_loop()
         context.add_done_callback(lambda _: self._track(loop.create_task(exchange.aclose())))
+        await self._exchange(exchange, request_iterator, context.write)
+
+    async def _exchange(
+        self, exchange: Exchange, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], send: Send
+    ) -> None:
+        exchange.start(messages)
         try:
             while (reply := await exchange.outbox.get()) is not None:
-                yield reply
+                await send(reply)
                 exchange.record.replied()
-                exchange.outbox.task_done()  # gRPC took it (`EnvoyStream.send` waits for this)
+                exchange.outbox.task_done()  # the transport took it (`EnvoyStream.send` waits for this)
         except asyncio.CancelledError:
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)
@@ -324,18 +340,6 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    limit = config.processor.grpc_max_message_bytes
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            # A fixed 1 MiB receive window per stream: Envoy cannot push request bodies far
-            # ahead of what the processor has read and counted (BDP probing grew the windows
-            # to tens of MiB: measured +50 MiB RSS under 8 concurrent large uploads).
-            ("grpc.http2.bdp_probe", 0),
-            ("grpc.http2.lookahead_bytes", 1 << 20),
-        ]
-    )
     http, streams = http_client(config)
     async with http:
         services = await build_gateway(config, http, streams, observability)
@@ -346,11 +350,8 @@ async def serve(
         # every stream for up to a second (measured by the loop-lag monitor).
         gc.collect()
         gc.freeze()
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(services), server)
-        add_health(services, server)  # GIE gateways and Kubernetes probes check the EPP here
         address = f"{config.processor.listen_host}:{config.processor.port}"
-        server.add_insecure_port(address)
-        await server.start()
+        stop_grpc = await start_grpc(config, services)
         admin = await start_admin(services, config.processor.listen_host, config.processor.admin_port)
         lag_monitor = asyncio.create_task(services.loop_lag.run())
         follow_membership(config, services)
@@ -376,8 +377,42 @@ async def serve(
             for task in pollers:
                 task.cancel()
             admin.close()
-            await server.stop(grace=2)
+            await stop_grpc(2.0)
             await asyncio.gather(lag_monitor, *pollers, return_exceptions=True)
             if services.planner.quota is not None:
                 await services.planner.quota.close()
             await services.conversations.close()
+
+
+async def start_grpc(config: TitoConfig, services: Services) -> Callable[[float], Awaitable[None]]:
+    """The ext_proc service and the health service on the processor's gRPC port, served by
+    `processor.grpc_server`; returns what stops it (open calls get a grace period)."""
+    processor, health = ExternalProcessor(services), Health(services)
+    limit = config.processor.grpc_max_message_bytes
+    host, port = config.processor.listen_host, config.processor.port
+    if config.processor.grpc_server == "h2":
+        server = H2GrpcServer(
+            {
+                PROCESS: Method(ext_proc_pb.ProcessingRequest, processor.process, stream=True),
+                HEALTH_CHECK: Method(health_pb2.HealthCheckRequest, health.check, stream=False),
+            },
+            max_message_bytes=limit,
+            stream_window=STREAM_WINDOW,
+        )
+        await server.start(host, port)
+        return server.stop
+    aio = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            # BDP probing grew the windows to tens of MiB: measured +50 MiB RSS under 8
+            # concurrent large uploads.
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW),
+        ]
+    )
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, aio)
+    health_pb2_grpc.add_HealthServicer_to_server(health, aio)  # GIE gateways and Kubernetes probes check the EPP here
+    aio.add_insecure_port(f"{host}:{port}")
+    await aio.start()
+    return lambda grace: aio.stop(grace)

@@ -14,6 +14,7 @@ from ext_proc.errors import GatewayError
 from protos.stubs import ext_proc_pb
 
 log = logging.getLogger("tito.exchange")
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"  # the gRPC method's path
 Replies = AsyncIterator[ext_proc_pb.ProcessingResponse]
 
 

@@ -1,4 +1,4 @@
-"""The floor under the processor's per-chunk cost: gRPC (grpc.aio) CPU per ext_proc message.
+"""The floor under the processor's per-chunk cost: gRPC CPU per ext_proc message, per server.
 
 A server process answers every `response_body` message of K concurrent bidi streams with one
 `response_body` reply, as Envoy and the processor do for each engine event of a routed stream;
@@ -9,15 +9,17 @@ the previous reply. Two server shapes, measured in the same run, alternating:
   replies on a queue that the gRPC method drains, so the processor can also send between
   Envoy's messages.
 And the outbox shape on uvloop (`processor.event_loop`, the default) against asyncio's own loop,
-and `sync`: grpc's thread-pool server (`grpc.server`), the other server Python's gRPC offers.
+`sync`: grpc's thread-pool server (`grpc.server`), the other server Python's gRPC offers, and
+`h2`: the outbox shape on the processor's own HTTP/2 server (`processor.grpc_server: h2`, the
+default; the others are grpcio's).
 `--pace-ms` spaces each stream's messages as an engine spaces its tokens (8 streams of a CPU
 engine: about 6 ms): every message then wakes the server from idle, which costs more than
 back-to-back messages (`--pace-ms 0`).
 Printed per case: server CPU µs per message (from /proc), messages/s, outbox / minimal, and
 uvloop / asyncio. Then what a stream itself costs, as Envoy opens one per request: streams one
 after another (`--one-by-one`) of 1 and of 11 messages, 2 ms apart, give the server CPU to
-open and end a stream and the cost of each message in it, on the processor's shape and on the
-thread-pool server; and the floor under any transport: a uvloop TCP server echoing the same
+open and end a stream and the cost of each message in it, on the processor's shape (grpc.aio
+and h2) and on the thread-pool server; and the floor under any transport: a uvloop TCP server echoing the same
 bytes, one message at a time, each waking it from idle (no gRPC, no HTTP/2). Compare with the processor's CPU per
 engine event (`processor_bench`, `gateway_bench`): what is above this floor is derender, SSE
 and the exchange's own work.
@@ -43,6 +45,8 @@ from typing import Any
 import grpc
 import uvloop
 
+from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method, Send
+from ext_proc.envoy_protocol.stream import PROCESS
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from tests.bench.cpu_accounting import process_cpu_seconds
 from tests.conftest import free_port
@@ -85,9 +89,24 @@ class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         await reader
 
 
+async def _h2_outbox(messages: Messages, send: Send) -> None:
+    """The outbox shape on the processor's own HTTP/2 server (`processor.grpc_server: h2`)."""
+    outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+
+    async def read() -> None:
+        async for message in messages:
+            outbox.put_nowait(_reply(message))
+        outbox.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    while (reply := await outbox.get()) is not None:
+        await send(reply)
+    await reader
+
+
 SHAPES = {"minimal": Minimal, "outbox": Outbox}
-# (shape, event loop) measured, alternating
-CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop"), ("sync", "threads")]
+# (shape, event loop) measured, alternating; `h2`: the outbox shape on the processor's own server
+CASES = [("minimal", "asyncio"), ("outbox", "asyncio"), ("outbox", "uvloop"), ("h2", "uvloop"), ("sync", "threads")]
 STREAM_SPAN = 10  # extra messages of the long streams in `stream_cost`
 ONE_BY_ONE_PACE_MS = 2.0  # between a request's messages: each wakes the server from idle
 
@@ -98,6 +117,12 @@ async def _serve(shape: str, port: int) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+async def _serve_h2(port: int) -> None:
+    server = H2GrpcServer({PROCESS: Method(ext_proc_pb.ProcessingRequest, _h2_outbox, stream=True)}, 64 << 20)
+    await server.start("127.0.0.1", port)
+    await asyncio.Event().wait()
 
 
 def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
@@ -201,6 +226,8 @@ def _forked_server(serve: Callable[[int], None]) -> Iterator[tuple[int, int]]:
 def _grpc_server(shape: str, loop: str) -> Callable[[int], None]:
     if shape == "sync":
         return _serve_sync
+    if shape == "h2":
+        return lambda port: (uvloop.run if loop == "uvloop" else asyncio.run)(_serve_h2(port))
     return lambda port: (uvloop.run if loop == "uvloop" else asyncio.run)(_serve(shape, port))
 
 
@@ -269,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, case, base in (
         ("outbox / minimal (asyncio)", ("outbox", "asyncio"), ("minimal", "asyncio")),
         ("outbox: uvloop / asyncio", ("outbox", "uvloop"), ("outbox", "asyncio")),
+        ("outbox on uvloop: h2 / grpc.aio", ("h2", "uvloop"), ("outbox", "uvloop")),
     ):
         # /proc counts CPU in clock ticks: a tiny run may show none
         ratio = f"x{medians[case] / medians[base]:.2f}" if medians[base] > 0 else "too short a run to measure"
@@ -277,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"one stream per request ({args.one_by_one} streams one after another, messages {ONE_BY_ONE_PACE_MS:g} ms apart)"
         )
-        for shape, loop in (("outbox", "uvloop"), ("sync", "threads")):
+        for shape, loop in (("outbox", "uvloop"), ("h2", "uvloop"), ("sync", "threads")):
             setup_ms, per_message = stream_cost(args.one_by_one, args.rounds, shape, loop)
             print(
                 f"  {shape} on {loop}: set-up and end {setup_ms:.2f} ms of server CPU per stream,"

@@ -19,4 +19,5 @@ def test_every_case_answers_every_message(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "outbox / minimal (asyncio)" in out and "outbox: uvloop / asyncio" in out
     assert "outbox on uvloop: set-up and end" in out and "sync on threads: set-up and end" in out
+    assert "h2 on uvloop: set-up and end" in out and "outbox on uvloop: h2 / grpc.aio" in out
     assert "the floor, a TCP echo" in out
