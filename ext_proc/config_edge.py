@@ -166,7 +166,7 @@ class ProcessorConfig(Section):
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # The gRPC server Envoy's ext_proc streams reach: `h2`, the processor's own HTTP/2
     # framing on the event loop (envoy_protocol/h2_server.py), or `grpcio` (grpc.aio), which
-    # costs about 0.3 ms more CPU per stream and 0.2 ms more per message.
+    # costs about twice the CPU per stream and per message (`tests/bench/grpc_bench.py`).
     grpc_server: Literal["h2", "grpcio"] = "h2"
     # Event-loop CPU per request stage at /debug/stages (`tests/bench/start_profile.py`):
     # every step of every task costs two more clock reads, so off unless profiling.

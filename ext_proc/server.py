@@ -366,7 +366,13 @@ async def serve(
         if services.tenancy is not None and services.tenancy.keys is not None:  # revoked keys stop working
             pollers.append(asyncio.create_task(services.tenancy.keys.run()))
         worker = f"worker {config.processor.worker_index} " if config.processor.workers > 1 else ""
-        log.info("ext_proc %slistening on %s, admin on port %d", worker, address, config.processor.admin_port)
+        log.info(
+            "ext_proc %slistening on %s (gRPC server %s), admin on port %d",
+            worker,
+            address,
+            config.processor.grpc_server,
+            config.processor.admin_port,
+        )
         if ready is not None:
             ready.set()
         try:

@@ -24,10 +24,17 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Pick me ä½ å¥
 
 
 def _gateway(
-    stack: RunningStack, envoy_bin: Path, work: Path, kind: str, named: int, **sections: object
+    stack: RunningStack,
+    envoy_bin: Path,
+    work: Path,
+    kind: str,
+    named: int,
+    grpc_server: str = "h2",
+    **sections: object,
 ) -> Iterator[tuple[SimGateway, GieEnvoy, list]]:
+    processor = {"destination_endpoints": named, "grpc_server": grpc_server}
     gateway, servers = start_sim_gateway(
-        stack, work, 2, scheduler={"policy": "round_robin"}, processor={"destination_endpoints": named}, **sections
+        stack, work, 2, scheduler={"policy": "round_robin"}, processor=processor, **sections
     )
     members = [(s.sim.host, s.sim.port) for s in servers]
     envoy = None
@@ -57,9 +64,11 @@ def original_dst(
 def override_host(
     stack: RunningStack, envoy_bin: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SimGateway, GieEnvoy, list]]:
-    """A gateway that takes the ordered list (override_host) and walks it on a retry; relay on."""
+    """A gateway that takes the ordered list (override_host) and walks it on a retry; relay on.
+    Its processor serves on grpc.aio (`processor.grpc_server: grpcio`), so the tests on this
+    fixture, `epp_check` among them (health services too), also check that server."""
     work = tmp_path_factory.mktemp("gie-oh")
-    yield from _gateway(stack, envoy_bin, work, "override_host", 0, reschedule={"enable": True})
+    yield from _gateway(stack, envoy_bin, work, "override_host", 0, "grpcio", reschedule={"enable": True})
 
 
 def _chat(envoy: GieEnvoy, subset: str | None = None, **fields: object) -> httpx.Response:
