@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -195,22 +196,40 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
 
 
 def wait_until_generating(stack: Stack, address: str, timeout: float) -> int:
-    """The requests engine `address` is generating, once there is one (vLLM's own running
-    gauge). The processor's count is not enough: a stream it still holds may be generated
-    to its end and sitting in its socket, and a kill then breaks nothing, so nothing is
-    relayed (only later requests sent to the dead engine are retried elsewhere)."""
+    """The requests engine `address` is generating, once they are well into their answers.
+
+    The processor's count is not enough: a stream it still holds may be generated to its end
+    and sitting in its socket, and a kill then breaks nothing, so nothing is relayed. vLLM's
+    running gauge alone is not either: the soak's streams run in waves, and the first scrape
+    that sees requests running after an idle moment sees a wave in its prefill, before any
+    chunk reached a client; killed then, its requests are retried, not relayed. So this waits
+    until the engine has generated `ANSWERED_TOKENS` per running request since it first saw
+    them (a client chunk comes every `stream_interval` tokens, 16 here), and they still run."""
+    first: list[float] = []  # generated tokens when requests were first seen running, then the most running
     running = [0]
 
     def generating() -> bool:
         text = httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
         running[0] = parse_engine_metrics(text, 0.0).running
-        return running[0] > 0
+        generated = sum(float(value) for value in _GENERATED.findall(text))
+        if running[0] == 0:  # between waves: wait for the next one
+            first.clear()
+            return False
+        if not first:
+            first[:] = [generated, running[0]]
+            return False
+        first[1] = max(first[1], running[0])
+        return generated - first[0] >= ANSWERED_TOKENS * first[1]
 
     try:
-        wait(generating, timeout, f"a request generating on {address}")
+        wait(generating, timeout, f"requests well into their answers on {address}")
     except TimeoutError as exc:  # with what each worker's scheduler says of the instances
         raise TimeoutError(f"{exc}: {[s['scheduler']['instances'] for s in stack.states()]}") from None
     return running[0]
+
+
+ANSWERED_TOKENS = 24
+_GENERATED = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
 def engine_group(address: str) -> int:
