@@ -72,6 +72,9 @@ class PromptStream:
         self.completion_tokens = 0
         self.committed: list[int] = []  # ids handed to the client (choice 0): a relay's prompt grows by them
         self._open_leases: dict[str, list[str]] = {}  # lease -> hosts that failed it
+        # Every engine that broke this stream mid-answer: a relay never goes back to one
+        # (`_end` gives the lease, and its failed hosts, back before the relay is placed).
+        self._broke: list[str] = []
         self._tasks: set[asyncio.Task[Any]] = set()  # Trigger prefill legs run on callback
         self._awaiting_output = False  # a Trigger decode leg before its first output
         self._hold(self._leg)
@@ -287,6 +290,7 @@ class PromptStream:
         assert self._opened is not None
         failed_host = self._opened.host
         self._open_leases[self._leg.lease_id].append(failed_host)
+        self._broke.append(failed_host)
         await self._end(served=False)
         refusal = self._refusal()
         if refusal is not None:
@@ -306,7 +310,7 @@ class PromptStream:
         if self._ctx.codec is not None:
             prompt = self._ctx.codec.prompt(prompt)  # re-obfuscated, committed ids included
         left = self._first.max_tokens - len(self.committed)
-        tried = tuple(h for hosts in self._open_leases.values() for h in hosts)
+        tried = tuple(dict.fromkeys([*self._broke, *(h for hosts in self._open_leases.values() for h in hosts)]))
         self._leg = self._ctx.planner.prompt_leg(
             self._plan.tokenized, f"{self._first.lease_id}-relay{self.attempts}", prompt, max_tokens=left, exclude=tried
         )  # under Handoff: a new prefill leg of the replay prompt, then a new decode leg
