@@ -73,24 +73,9 @@ class Minimal(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             yield _reply(message)
 
 
-class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    async def Process(self, messages: Messages, context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
-
-        async def read() -> None:
-            async for message in messages:
-                outbox.put_nowait(_reply(message))
-            outbox.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        while (reply := await outbox.get()) is not None:
-            yield reply
-            outbox.task_done()
-        await reader
-
-
-async def _h2_outbox(messages: Messages, send: Send) -> None:
-    """The outbox shape on the processor's own HTTP/2 server (`processor.grpc_server: h2`)."""
+async def _outbox(messages: Messages, send: Send) -> None:
+    """The processor's shape (`ExternalProcessor._exchange`): a reader task puts replies on a
+    queue that the method drains into the server's `send`, on either server."""
     outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
 
     async def read() -> None:
@@ -102,6 +87,11 @@ async def _h2_outbox(messages: Messages, send: Send) -> None:
     while (reply := await outbox.get()) is not None:
         await send(reply)
     await reader
+
+
+class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    async def Process(self, messages: Messages, context: Any) -> None:  # noqa: N802
+        await _outbox(messages, context.write)  # (grpc.aio's write, as `processor.grpc_server: grpcio`)
 
 
 SHAPES = {"minimal": Minimal, "outbox": Outbox}
@@ -120,7 +110,7 @@ async def _serve(shape: str, port: int) -> None:
 
 
 async def _serve_h2(port: int) -> None:
-    server = H2GrpcServer({PROCESS: Method(ext_proc_pb.ProcessingRequest, _h2_outbox, stream=True)}, 64 << 20)
+    server = H2GrpcServer({PROCESS: Method(ext_proc_pb.ProcessingRequest, _outbox, stream=True)}, 64 << 20)
     await server.start("127.0.0.1", port)
     await asyncio.Event().wait()
 
