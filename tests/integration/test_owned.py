@@ -211,13 +211,14 @@ def test_a_client_leaving_a_relayed_stream_closes_its_engine_stream(gw: SimGatew
 
 @pytest.fixture(scope="module")
 def coalesced(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimGateway]:
-    """Engines asked for 4 tokens per event (`derender.stream_interval`)."""
+    """Engines asked for 4 tokens per event (`derender.stream_interval`), placed by the default
+    policy (prefix affinity), whose breaker never opens here."""
     with running_sim_gateway(
         stack,
         tmp_path_factory.mktemp("coalesced"),
         2,
         derender={"stream_interval": 4},
-        scheduler={"policy": "round_robin", "breaker": {"failure_threshold": 1000}},
+        scheduler={"breaker": {"failure_threshold": 1000}},
         reschedule={"enable": True, "first_token_timeout_s": 2.0, "inter_token_timeout_s": 1.0},
         logging={"format": "json"},
     ) as gateway:
@@ -229,16 +230,19 @@ def coalesced(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_relay_and_fan_out_at_four_tokens_per_engine_event(coalesced: SimGateway) -> None:
     """The engine's third event never comes (its first carries one token, its second four):
     the relay goes on from the 5 committed ids, asking the next engine for 4 per event too,
-    and a batch merges as it does one token at a time."""
+    and a batch merges as it does one token at a time. The relay's prompt starts with the
+    first engine's, so prefix affinity alone would send it back there: it must not."""
     fault = Fault("abort", after_tokens=2, times=1)  # counted in engine events
     for sim in coalesced.sims:
         sim.fault = fault
-    body = {"model": "tiny", "prompt": "relay me", "max_tokens": 20, "stream": True, "return_token_ids": True}
+    prompt = "relay me " * 64  # two 128-token blocks of prefix for the affinity to match
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "stream": True, "return_token_ids": True}
     events = _events(httpx.post(coalesced.base_url + "/v1/completions", json=body, timeout=30).content)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     calls = sorted(_generate_calls(coalesced), key=lambda call: len(call[1]["token_ids"]))
     assert [call["sampling_params"]["stream_interval"] for _, call in calls] == [4, 4]
-    (_, first), (_, second) = calls
+    (first_host, first), (second_host, second) = calls
+    assert first_host != second_host
     committed = second["token_ids"][len(first["token_ids"]) :]
     assert committed == coalesced.sims[0].script(first["token_ids"], 20)[:5]
     assert second["sampling_params"]["max_tokens"] == 15
