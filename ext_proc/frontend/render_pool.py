@@ -264,6 +264,11 @@ class RenderPool:
             member.breaker.record_abandoned()
             raise
         member.breaker.record_success()
+        # It rejoins as a new endpoint: latencies measured before it failed (often while it was
+        # dying, or under the load that broke it) would keep it out of the turns for good, as
+        # nothing updates them until it renders again.
+        member.latency_s = 0.0
+        member.latencies.clear()
         log.info("render endpoint %s renders again; it rejoins the pool", member.name)
         return True
 

@@ -118,6 +118,27 @@ def test_a_failed_endpoint_is_retried_on_another_and_skipped_until_it_renders_ag
     assert pool.snapshot()["r0:1"]["breaker"] == "closed"
 
 
+def test_an_endpoint_that_rejoins_takes_its_turns_again_whatever_it_measured_before() -> None:
+    """Its last renders before it failed were slow (it was dying): once a probe lets it back in,
+    it counts as a new endpoint, not as the slow one it was."""
+    clock = Clock()
+    a, b = Scripted(delay_s=0.005), Scripted(delay_s=0.1)
+    pool = _pool(a, b, clock=clock)
+    pool._turn = 1
+    _render(pool, "slow")  # b's last render before it dies: 100 ms, where a takes 5
+    b.fail = "unavailable"
+    pool._turn = 1
+    _render(pool, "dies")
+    assert pool.snapshot()["r1:1"]["breaker"] == "open"
+    b.fail, b.delay_s = None, 0.005
+    clock.now += 5.1
+    assert asyncio.run(pool.probe(pool.members[1])) is True
+    b.calls.clear()
+    for i in range(6):
+        _render(pool, f"after{i}")
+    assert len(b.calls) >= 2  # its turns (3 of 6 when both take the same time)
+
+
 def test_a_rejected_request_is_not_retried_and_counts_no_failure() -> None:
     a, b = Scripted(reject=True), Scripted(reject=True)
     pool = _pool(a, b)
