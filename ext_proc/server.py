@@ -24,8 +24,8 @@ from ext_proc.derender.sidecar import DerenderClient
 from ext_proc.envoy_protocol.bootstrap import discovered
 from ext_proc.envoy_protocol.endpoints import EndpointsFile
 from ext_proc.envoy_protocol.exchange import Exchange
-from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method, Send
-from ext_proc.envoy_protocol.stream import PROCESS
+from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method, Outbox
+from ext_proc.envoy_protocol.stream import PROCESS, QueuedOutbox
 from ext_proc.errors import GatewayError
 from ext_proc.fleet.capabilities import Capabilities
 from ext_proc.fleet.http_client import CountingTransport, http_client
@@ -77,10 +77,10 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def process(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], send: Send) -> None:
+    async def process(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], outbox: Outbox) -> None:
         """One ext_proc stream on the processor's own HTTP/2 server (`processor.grpc_server: h2`),
-        which cancels this task when the stream ends early."""
-        await self._exchange(Exchange(self._services), messages, send)
+        which writes each reply as it is put, and cancels this task when the stream ends early."""
+        await self._exchange(Exchange(self._services), messages, outbox)
 
     async def Process(  # noqa: N802 - the gRPC method name (`processor.grpc_server: grpcio`)
         self,
@@ -92,17 +92,18 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         # sent) and never resume it: the exchange is closed when the RPC ends, whatever happens.
         loop = asyncio.get_running_loop()
         context.add_done_callback(lambda _: self._track(loop.create_task(exchange.aclose())))
-        await self._exchange(exchange, request_iterator, context.write)
+        outbox = QueuedOutbox()  # grpc.aio's write is a coroutine: a task of its own writes the replies
+        exchange.done.add_done_callback(lambda _: outbox.put(None))
+        async with asyncio.TaskGroup() as group:  # (a failed write ends the exchange too)
+            group.create_task(self._exchange(exchange, request_iterator, outbox))
+            group.create_task(outbox.drain(context.write))
 
     async def _exchange(
-        self, exchange: Exchange, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], send: Send
+        self, exchange: Exchange, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], outbox: Outbox
     ) -> None:
-        exchange.start(messages)
+        exchange.start(messages, outbox)
         try:
-            while (reply := await exchange.outbox.get()) is not None:
-                await send(reply)
-                exchange.record.replied()
-                exchange.outbox.task_done()  # the transport took it (`EnvoyStream.send` waits for this)
+            await exchange.done
         except asyncio.CancelledError:
             # The client went away (Envoy reset the stream): a normal end.
             log.debug("stream cancelled in mode %s", exchange.mode.value)

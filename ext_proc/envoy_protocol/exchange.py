@@ -35,15 +35,14 @@ class Mode(enum.Enum):
 
 class Exchange(EnvoyStream):
     def __init__(self, services: Services) -> None:
-        super().__init__()
+        self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
+        super().__init__(services.observability.begin(self.request_id))
         self._s = services
         self.mode = Mode.PENDING
         self._headers: msg.Headers = {}
         self._route: str | None = None  # the route's handler: chat, completions, messages, ...
         self._held = StreamBytes(services.inflight)
         self._body = RequestBody(services.config.listener.max_request_bytes, self._held)
-        self.request_id = uuid4().hex  # ours, never a client's (clients get it as x-request-id)
-        self.record = services.observability.begin(self.request_id)
         self.plan: Plan | None = None  # (flow control finds a request to evict by its legs' leases)
         self._leases: list[str] = []
         self._handler: ResponseHandler | None = None

@@ -24,7 +24,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import hpack
@@ -94,17 +94,26 @@ class GrpcError(Exception):
         self.message = message
 
 
+class Outbox(Protocol):
+    """Where a call's replies go, in the order put. `put` never waits: the bytes go out at
+    once as far as the windows allow, the rest waits in order. `flush` returns once the
+    transport has taken every reply put so far (backpressure for a writer that needs it)."""
+
+    def put(self, message: Any) -> None: ...
+
+    async def flush(self) -> None: ...
+
+
 Incoming = AsyncIterator[Any]  # a call's messages, as they arrive
-Send = Callable[[Any], Awaitable[None]]
-StreamHandler = Callable[[Incoming, Send], Awaitable[None]]
+StreamHandler = Callable[[Incoming, Outbox], Awaitable[None]]
 UnaryHandler = Callable[[Any], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
 class Method:
     """One gRPC method: how its requests parse, and its handler. `stream`: a bidirectional
-    stream (the handler reads the messages and sends replies); else unary (one request, the
-    handler's return value is the one reply)."""
+    stream (the handler reads the messages and puts replies in the call's outbox); else unary
+    (one request, the handler's return value is the one reply)."""
 
     request_type: Any
     handler: Callable[..., Awaitable[Any]]  # a StreamHandler or a UnaryHandler, as `stream` says
@@ -387,16 +396,23 @@ class _Connection(asyncio.Protocol):
 
     # -- replies out ------------------------------------------------------------------------
 
-    async def _send(self, stream: _Stream, message: Any) -> None:
+    def _put(self, stream: _Stream, message: Any) -> None:
+        """A reply, written now as far as the windows allow: no task between the handler and
+        the socket (a hand-off per reply cost the loop more than the write)."""
         if stream.local_ended or stream.reset:
-            raise asyncio.CancelledError  # the call ended: as grpc.aio's write would fail
+            return  # the call ended (the handler is being cancelled): nobody to tell
         data = message.SerializeToString()
         out = b"" if stream.headers_sent else _frame(HEADERS, END_HEADERS, stream.id, _REPLY_HEADERS)
         stream.headers_sent = True
         framed = len(data).to_bytes(5, "big") + data  # (the first byte: not compressed)
         self._queue_data(stream, framed, out)
+
+    async def _flush(self, stream: _Stream) -> None:
+        if stream.local_ended or stream.reset:
+            raise asyncio.CancelledError  # the call ended: as grpc.aio's write would fail
         if stream.pending:  # wait for the peer's window, as grpc.aio's write waits
-            stream.drained = self.loop.create_future()
+            if stream.drained is None or stream.drained.done():
+                stream.drained = self.loop.create_future()
             await stream.drained
         if self.paused is not None and not self.paused.done():
             await self.paused
@@ -441,8 +457,8 @@ class _Connection(asyncio.Protocol):
         if stream.local_ended or stream.reset or self.transport is None:
             return
         stream.local_ended = True
-        # (data still waiting for a window: only after the handler failed or was cancelled
-        # while it waited, as `_send` waits; trailers cannot follow it, so it goes)
+        # (data still waiting for a window: only after the handler failed or was cancelled,
+        # as `_run` flushes first otherwise; trailers cannot follow it, so it goes)
         stream.pending.clear()
         self.blocked.pop(stream.id, None)
         block = _trailers(status, message) if stream.headers_sent else _REPLY_HEADERS + _trailers(status, message)
@@ -474,16 +490,18 @@ class _Connection(asyncio.Protocol):
     async def _run(self, stream: _Stream) -> None:
         status, message = OK, ""
         try:
-            if stream.method.stream:
-                await stream.method.handler(self._messages(stream), lambda reply: self._send(stream, reply))
-            else:
-                await self._unary(stream)
+            try:
+                if stream.method.stream:
+                    await stream.method.handler(self._messages(stream), _Replies(self, stream))
+                else:
+                    await self._unary(stream)
+            except GrpcError as error:
+                status, message = error.code, error.message
+            await self._flush(stream)  # every reply put goes out before the trailers
         except asyncio.CancelledError:
             status, message = CANCELLED, "cancelled"
             if stream.reset or self.transport is None or self.transport.is_closing():
                 return  # the peer ended the call: no one to tell
-        except GrpcError as error:
-            status, message = error.code, error.message
         except Exception:
             log.exception("gRPC handler error on stream %d", stream.id)
             status, message = UNKNOWN, "processor error"
@@ -500,7 +518,7 @@ class _Connection(asyncio.Protocol):
             request = message
         if request is None:
             raise GrpcError(INTERNAL, "a unary method got no request")
-        await self._send(stream, await stream.method.handler(request))
+        self._put(stream, await stream.method.handler(request))
 
     # -- the connection ---------------------------------------------------------------------
 
@@ -520,6 +538,22 @@ class _Connection(asyncio.Protocol):
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class _Replies:
+    """A call's outbox on this server (`Outbox`)."""
+
+    __slots__ = ("_connection", "_stream")
+
+    def __init__(self, connection: _Connection, stream: _Stream) -> None:
+        self._connection = connection
+        self._stream = stream
+
+    def put(self, message: Any) -> None:
+        self._connection._put(self._stream, message)
+
+    async def flush(self) -> None:
+        await self._connection._flush(self._stream)
 
 
 class _ConnectionError(Exception):

@@ -1,16 +1,19 @@
 """The life of one ext_proc gRPC stream: a reader task feeds Envoy's messages to the
-exchange, whose replies go to an outbox the gRPC method drains, so the processor can also
-send messages between Envoy's (processor-owned work); `aclose` cancels and awaits every task
-the stream started, then lets the exchange release what it holds."""
+exchange, whose replies go straight to the call's outbox (the processor's own server writes
+them as they are put), so the processor can also send messages between Envoy's
+(processor-owned work); `done` says when the call may end; `aclose` cancels and awaits every
+task the stream started, then lets the exchange release what it holds."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+from ext_proc.envoy_protocol.h2_server import Outbox
 from ext_proc.errors import GatewayError
+from ext_proc.observability.request import RequestRecord
 from protos.stubs import ext_proc_pb
 
 log = logging.getLogger("tito.exchange")
@@ -18,9 +21,33 @@ PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"  # the gRPC met
 Replies = AsyncIterator[ext_proc_pb.ProcessingResponse]
 
 
-class EnvoyStream:
+class QueuedOutbox:
+    """An outbox for a transport whose write is a coroutine (grpc.aio's `context.write`): replies
+    wait in a queue that `drain` writes out, in order, until the stream is done."""
+
     def __init__(self) -> None:
-        self.outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+
+    def put(self, message: ext_proc_pb.ProcessingResponse | None) -> None:
+        self._queue.put_nowait(message)
+
+    async def flush(self) -> None:
+        await self._queue.join()
+
+    async def drain(self, write: Callable[[ext_proc_pb.ProcessingResponse], Awaitable[None]]) -> None:
+        """Write replies until the end mark (`put(None)`)."""
+        while (reply := await self._queue.get()) is not None:
+            await write(reply)
+            self._queue.task_done()
+        self._queue.task_done()
+
+
+class EnvoyStream:
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self._outbox: Outbox | None = None
+        # Set when the call may end: Envoy's side is over and nothing of ours is left to send.
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         # A processor-owned answer ends the call itself (`end`), whenever Envoy's side ends.
@@ -51,8 +78,14 @@ class EnvoyStream:
             if reply.HasField("response_body") and self._before_body is not None:
                 self._before_body.append(reply)
             else:
-                self.outbox.put_nowait(reply)
+                self.put(reply)
         return True
+
+    def put(self, reply: ext_proc_pb.ProcessingResponse) -> None:
+        """A reply to Envoy, after every one put before it."""
+        assert self._outbox is not None, "the stream has not started"
+        self._outbox.put(reply)
+        self.record.replied()
 
     def release(self) -> None:
         """Give back what the stream holds (after every task it started has ended)."""
@@ -66,7 +99,8 @@ class EnvoyStream:
     def closed(self) -> bool:
         return self._closed
 
-    def start(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
+    def start(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], outbox: Outbox) -> None:
+        self._outbox = outbox
         self.spawn(self._read(messages))
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -77,9 +111,10 @@ class EnvoyStream:
 
     async def send(self, reply: ext_proc_pb.ProcessingResponse) -> None:
         """A message of the processor's own, between Envoy's; returns once gRPC has taken
-        every message queued so far (backpressure for processor-owned streams)."""
-        self.outbox.put_nowait(reply)
-        await self.outbox.join()
+        every message put so far (backpressure for processor-owned streams)."""
+        self.put(reply)
+        assert self._outbox is not None
+        await self._outbox.flush()
 
     def end(self) -> None:
         """A processor-owned answer is complete: the call ends when Envoy ends its side (ending
@@ -87,7 +122,11 @@ class EnvoyStream:
         end that never came), or now if Envoy already has."""
         self.ends_itself = False
         if self._reader_done:
-            self.outbox.put_nowait(None)
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
     async def _read(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest]) -> None:
         try:
@@ -95,14 +134,14 @@ class EnvoyStream:
                 if message.HasField("response_body") and self._before_body is not None:
                     held, self._before_body = self._before_body, None
                     for reply in held:  # (its handler is done: nothing else answers the message)
-                        self.outbox.put_nowait(reply)
+                        self.put(reply)
                 try:
                     async for reply in self.on_message(message):
-                        self.outbox.put_nowait(reply)
+                        self.put(reply)
                 except Exception:
                     log.exception("processor error on %s", message.WhichOneof("request"))
                     for reply in self.on_bug():
-                        self.outbox.put_nowait(reply)
+                        self.put(reply)
                 if self.answered:
                     # End the call from this side: Envoy may keep it open while it drains a
                     # client's upload, and the stream's resources would wait with it.
@@ -110,7 +149,7 @@ class EnvoyStream:
         finally:
             self._reader_done = True
             if not self.ends_itself:
-                self.outbox.put_nowait(None)
+                self._finish()
 
     async def aclose(self) -> None:
         if self._closed:

@@ -6,8 +6,8 @@ a client process (on the other core when there are two) sends N messages per str
 the previous reply. Two server shapes, measured in the same run, alternating:
 - `minimal`: `async for message in messages: yield reply` — the least a Python servicer can do;
 - `outbox`: the processor's own shape (`ext_proc/envoy_protocol/stream.py`): a reader task puts
-  replies on a queue that the gRPC method drains, so the processor can also send between
-  Envoy's messages.
+  replies in the call's outbox, so the processor can also send between Envoy's messages; on
+  grpc.aio the outbox is a queue that a writer task drains (`processor.grpc_server: grpcio`).
 And the outbox shape on uvloop (`processor.event_loop`, the default) against asyncio's own loop,
 `sync`: grpc's thread-pool server (`grpc.server`), the other server Python's gRPC offers, and
 `h2`: the outbox shape on the processor's own HTTP/2 server (`processor.grpc_server: h2`, the
@@ -45,8 +45,9 @@ from typing import Any
 import grpc
 import uvloop
 
-from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method, Send
-from ext_proc.envoy_protocol.stream import PROCESS
+from ext_proc.envoy_protocol import h2_server
+from ext_proc.envoy_protocol.h2_server import H2GrpcServer, Method
+from ext_proc.envoy_protocol.stream import PROCESS, QueuedOutbox
 from protos.stubs import ext_proc_grpc, ext_proc_pb
 from tests.bench.cpu_accounting import process_cpu_seconds
 from tests.conftest import free_port
@@ -73,25 +74,31 @@ class Minimal(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             yield _reply(message)
 
 
-async def _outbox(messages: Messages, send: Send) -> None:
-    """The processor's shape (`ExternalProcessor._exchange`): a reader task puts replies on a
-    queue that the method drains into the server's `send`, on either server."""
-    outbox: asyncio.Queue[ext_proc_pb.ProcessingResponse | None] = asyncio.Queue()
+async def _outbox(messages: Messages, outbox: h2_server.Outbox) -> None:
+    """The processor's shape (`ExternalProcessor._exchange`): a reader task puts each reply in
+    the call's outbox (the h2 server writes it at once; grpc.aio's waits for a writer task),
+    and the method waits for the reader's end."""
+    done = asyncio.get_running_loop().create_future()
 
     async def read() -> None:
         async for message in messages:
-            outbox.put_nowait(_reply(message))
-        outbox.put_nowait(None)
+            outbox.put(_reply(message))
+        done.set_result(None)
 
     reader = asyncio.create_task(read())
-    while (reply := await outbox.get()) is not None:
-        await send(reply)
+    await done
     await reader
 
 
 class Outbox(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(self, messages: Messages, context: Any) -> None:  # noqa: N802
-        await _outbox(messages, context.write)  # (grpc.aio's write, as `processor.grpc_server: grpcio`)
+        outbox = QueuedOutbox()  # (grpc.aio's write, as `processor.grpc_server: grpcio`)
+
+        async def exchange() -> None:
+            await _outbox(messages, outbox)
+            outbox.put(None)
+
+        await asyncio.gather(exchange(), outbox.drain(context.write))
 
 
 SHAPES = {"minimal": Minimal, "outbox": Outbox}

@@ -5,6 +5,7 @@ is a generic 500, bodies bounded as they arrive), and leases back to zero after 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -281,8 +282,8 @@ async def test_a_multi_prompt_stream_is_one_merged_sse_stream(engines: Engines) 
     engines.answer = _generate
     exchange = Exchange(services)
     batch = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "stream": True}
-    exchange.start(_messages(_headers("/v1/completions"), _body({**batch, "stream_options": {"include_usage": True}})))
-    replies = [reply async for reply in _drain(exchange)]
+    outbox = _start(exchange, _headers("/v1/completions"), _body({**batch, "stream_options": {"include_usage": True}}))
+    replies = await _drain(exchange, outbox)
     parts = [r.streamed_immediate_response for r in replies]
     assert {h.key: h.raw_value for h in parts[0].headers_response.headers.headers}[":status"] == b"200"
     body = b"".join(p.body_response.body for p in parts[1:])
@@ -458,8 +459,8 @@ TRIGGER = [PD[0], {**PD[1], "instances": [{"port": 8401, "capabilities": ["concu
 async def test_trigger_sends_decode_first_and_prefill_on_the_engines_callback(engines: Engines) -> None:
     services = _services(engines, TRIGGER)
     exchange = Exchange(services)
-    exchange.start(_messages(_headers(), _body({**CHAT, "stream": True})))
-    replies = [await exchange.outbox.get() for _ in range(2)]
+    outbox = _start(exchange, _headers(), _body({**CHAT, "stream": True}))
+    replies = [await outbox.replies.get() for _ in range(2)]
     set_headers, destination, decode = _routed(replies)
     assert destination == "127.0.0.1:8401" and engines.calls == []  # decode first
     params = decode["kv_transfer_params"]
@@ -491,8 +492,7 @@ async def test_a_processor_bug_is_a_generic_500_with_the_request_id(engines: Eng
     services = _services(engines)
     services.tokenization.fail = True  # type: ignore[attr-defined]
     exchange = Exchange(services)
-    exchange.start(_messages(_headers(), _body(CHAT)))
-    replies = [r async for r in _drain(exchange)]
+    replies = await _drain(exchange, _start(exchange, _headers(), _body(CHAT)))
     status, body = _immediate(replies)
     assert status == 500 and body["error"]["code"] == "internal_error"
     assert "secret" not in body["error"]["message"] and exchange.request_id in body["error"]["message"]
@@ -533,11 +533,29 @@ async def _messages(*messages: Any) -> Any:
         yield message
 
 
-async def _drain(exchange: Exchange) -> Any:
-    """What the gRPC method does with the outbox."""
-    while (reply := await exchange.outbox.get()) is not None:
-        yield reply
-        exchange.outbox.task_done()
+class _Outbox:
+    """The gRPC server's side of a stream: the replies, as they are put."""
+
+    def __init__(self) -> None:
+        self.replies: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, reply: Any) -> None:
+        self.replies.put_nowait(reply)
+
+    async def flush(self) -> None:
+        pass
+
+
+def _start(exchange: Exchange, *messages: Any) -> _Outbox:
+    outbox = _Outbox()
+    exchange.start(_messages(*messages), outbox)
+    return outbox
+
+
+async def _drain(exchange: Exchange, outbox: _Outbox) -> list[Any]:
+    """Every reply until the stream says the call may end."""
+    await exchange.done
+    return [outbox.replies.get_nowait() for _ in range(outbox.replies.qsize())]
 
 
 # -- the model catalog and LoRA adapters ----------------------------------------------------------

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ext_proc.envoy_protocol.h2_server import NOT_FOUND, GrpcError, H2GrpcServer, Method, Send
+from ext_proc.envoy_protocol.h2_server import NOT_FOUND, GrpcError, H2GrpcServer, Method, Outbox
 from protos.stubs import ext_proc_pb
 from tests.conftest import free_port
 
@@ -44,7 +44,7 @@ class Echo:
         self.finished = 0
         self.started = asyncio.Event()
 
-    async def stream(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], send: Send) -> None:
+    async def stream(self, messages: AsyncIterator[ext_proc_pb.ProcessingRequest], outbox: Outbox) -> None:
         self.started.set()
         try:
             async for message in messages:
@@ -55,9 +55,10 @@ class Echo:
                     raise RuntimeError("a handler bug")
                 if body == b"stop":
                     return
-                await send(_reply(body))
+                outbox.put(_reply(body))
                 if body == b"twice":
-                    await send(_reply(body))
+                    outbox.put(_reply(body))
+                await outbox.flush()  # (backpressure: as the processor's own sends wait)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -131,7 +132,7 @@ async def test_messages_larger_than_every_window_and_frame_go_through_both_ways(
 
 
 async def test_a_slow_reader_holds_the_peer_back_instead_of_buffering_without_bound(served) -> None:
-    """Replies the client does not read: the handler's `send` waits for the client's window,
+    """Replies the client does not read: the handler's `flush` waits for the client's window,
     so its reading stops and so does the client's writing (the windows fill); the server
     holds at most a reply meanwhile, and every reply arrives once the client reads."""
     echo, server, channel = served
