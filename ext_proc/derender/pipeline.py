@@ -32,6 +32,9 @@ from ext_proc.observability.request import CHUNK_SAMPLE, current
 from ext_proc.protocol import TokenizedRequest
 
 log = logging.getLogger("tito.derender")
+# A stream session of a prompt up to this many tokens (times n) is made on the loop, a longer
+# one on a thread (`_InProcessStream`): 4096 tokens are about 16 KiB of messages, 70 µs to validate.
+SESSION_ON_LOOP_MAX_TOKENS = 4096
 
 
 class StreamSession(Protocol):
@@ -78,11 +81,20 @@ class InProcessDerender:
 class _InProcessStream:
     def __init__(self, model: DerenderModel, request: TokenizedRequest, prompt_index: int) -> None:
         self._request_id = request.request_id
-        # Made now, off the loop, while the engine computes the first token (it validates
-        # the whole client request, which may be megabytes of messages, and builds the
-        # parsers: 1-3 ms that would otherwise delay the first chunk); a failure is a stream
-        # error at the first event.
-        self._session = asyncio.ensure_future(asyncio.to_thread(stream_session, model, request, prompt_index))
+        # Made now, while the engine computes the first token (it validates the whole client
+        # request and builds the parsers and the detokenizer); a failure is a stream error at
+        # the first event. A short request's session is made on the loop: about 0.35 ms, where
+        # a thread's hand-off and the GIL's switches made the same work cost 0.5 ms (`docs/
+        # performance.md`). A long one's goes to a thread: megabytes of messages validate in
+        # milliseconds (4-5 µs per KiB), which would stall the other streams.
+        if len(request.prompts[prompt_index].token_ids) * request.n <= SESSION_ON_LOOP_MAX_TOKENS:
+            self._session = asyncio.get_running_loop().create_future()
+            try:
+                self._session.set_result(stream_session(model, request, prompt_index))
+            except Exception as exc:
+                self._session.set_exception(exc)
+        else:
+            self._session = asyncio.ensure_future(asyncio.to_thread(stream_session, model, request, prompt_index))
         self._session.add_done_callback(_consume_error)
 
     @property

@@ -3,11 +3,14 @@ vLLM's qwen3/hermes parsers: what a client sees, chunk by chunk."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any
 
 import orjson
 import pytest
 
+from ext_proc.errors import GatewayError
 from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -247,3 +250,33 @@ def test_the_engines_cached_tokens_reach_the_final_usage_chunk(model: Any) -> No
         "completion_tokens_details",
     ]
     assert final["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0}
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 0])  # the session made on the loop, then on a thread
+def test_a_session_made_on_the_loop_or_on_a_thread_streams_the_same(
+    model: Any, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prompt's stream session is made on the loop, a long one's on a thread
+    (`SESSION_ON_LOOP_MAX_TOKENS`): the client sees the same chunks either way, and a session
+    that cannot be made fails the stream at its first event."""
+    from ext_proc.derender import pipeline
+    from ext_proc.derender.in_process import stream_session
+
+    monkeypatch.setattr(pipeline, "SESSION_ON_LOOP_MAX_TOKENS", limit)
+    request = _request(model, Pipeline.CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    ids = _ids(model, "<think>\nhm\n</think>\n\nHello there" + EOS)
+    session = stream_session(model, request)
+    expected = b"".join(session.steps([e]) for e in _events(ids))
+
+    async def streamed() -> bytes:
+        stream = pipeline.InProcessDerender(model).stream(request)
+        return b"".join([await stream.steps([(e, b"")]) for e in _events(ids)])
+
+    async def broken() -> None:
+        bad = _request(model, Pipeline.CHAT, {"messages": "not a list", "stream": True})
+        await pipeline.InProcessDerender(model).stream(bad).steps([(_events(ids)[0], b"")])
+
+    created = re.compile(rb'"created":\d+')  # (a second may pass between the two)
+    assert created.sub(b"", asyncio.run(streamed())) == created.sub(b"", expected)
+    with pytest.raises(GatewayError, match="derender failed"):
+        asyncio.run(broken())
