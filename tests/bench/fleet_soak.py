@@ -18,22 +18,21 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import psutil
 
 from ext_proc.config import TitoConfig
-from ext_proc.fleet.engine_metrics import parse_engine_metrics
 from ext_proc.tools.elastic_pool import read_state, request_scale
 from ext_proc.tools.local_stack import run_dir
 from tests.bench.sse import DONE, events, story_chat
@@ -53,14 +52,17 @@ class Tally:
     completed: int = 0
     lost: Counter[str] = field(default_factory=Counter)
     texts: dict[int, set[str]] = field(default_factory=dict)  # prompt -> the texts its streams got
+    live: dict[str, int] = field(default_factory=dict)  # x-request-id -> chunks received, while it streams
 
 
 async def one_stream(http: httpx.AsyncClient, url: str, i: int, max_tokens: int, tally: Tally) -> None:
     """One streamed chat, checked chunk by chunk."""
     tally.started += 1
     text, finish, usage, done, error = [], None, None, 0, None
+    request_id = ""
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body(i, max_tokens)) as response:
+            request_id = response.headers.get("x-request-id", "")
             if response.status_code != 200:  # with what it said (the processor's or Envoy's answer) and when
                 said = (await response.aread()).decode(errors="replace")[:100]
                 error = f"status {response.status_code} near {round(time.monotonic() - tally.since, -1):g} s: {said}"
@@ -72,12 +74,16 @@ async def one_stream(http: httpx.AsyncClient, url: str, i: int, max_tokens: int,
                     assert isinstance(event, dict)
                     if "error" in event:
                         error = "error event"
+                    if event.get("choices"):
+                        tally.live[request_id] = tally.live.get(request_id, 0) + 1
                     for choice in event.get("choices", []):
                         text.append(choice["delta"].get("content") or "")
                         finish = choice.get("finish_reason") or finish
                     usage = event.get("usage") or usage
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}"
+    finally:
+        tally.live.pop(request_id, None)
     if error is None and done != 1:
         error = f"{done} [DONE]"
     if error is None and (finish != "length" or not usage or usage["completion_tokens"] != max_tokens):
@@ -161,6 +167,7 @@ def tito_up(replicas: int) -> Iterator[Stack]:
             "model": {"path": str(ensure_tiny_model(Path("~/.cache/tito").expanduser()))},
             "pools": [{"name": "union", "discovery": discovery}],
             "reschedule": {"enable": True},  # a stream whose engine dies is relayed to another
+            "logging": {"format": "json"},  # (chaos reads which engine serves a stream from its stage lines)
             "local": {"cache_dir": str(work / "cache"), "replicas": replicas, "kv_events_port": free_ports(2)},
         }
     )
@@ -195,41 +202,40 @@ def leaks(stack: Stack, timeout: float = 30) -> dict[str, int]:
         time.sleep(0.1)
 
 
-def wait_until_generating(stack: Stack, address: str, timeout: float) -> int:
-    """The requests engine `address` is generating, once they are well into their answers.
+def wait_until_answering(stack: Stack, address: str, tally: Tally, timeout: float) -> int:
+    """The streams engine `address` is answering, once one of them is well into its answer:
+    a client has its first two chunks (with the engine's `stream_interval` of 16, at least
+    17 tokens sent) and it still runs, so a kill breaks a stream the gateway has committed
+    to, which it must relay. Counting the engine's own figures is not enough: its running
+    requests may be generated to their end and sitting in sockets, or be a new wave still in
+    its prefill (killed then, they are retried, not relayed). Which engine serves a stream is
+    read from the processor's `generate` stage lines (the log's JSON format)."""
+    served_by: dict[str, str] = {}  # x-request-id -> the instance of its latest leg
+    warned: deque[bytes] = deque(maxlen=6)  # the processor's last warnings about the engine
+    offsets: dict[Path, int] = {}
 
-    The processor's count is not enough: a stream it still holds may be generated to its end
-    and sitting in its socket, and a kill then breaks nothing, so nothing is relayed. vLLM's
-    running gauge alone is not either: the soak's streams run in waves, and the first scrape
-    that sees requests running after an idle moment sees a wave in its prefill, before any
-    chunk reached a client; killed then, its requests are retried, not relayed. So this waits
-    until the engine has generated `ANSWERED_TOKENS` per running request since it first saw
-    them (a client chunk comes every `stream_interval` tokens, 16 here), and they still run."""
-    first: list[float] = []  # generated tokens when requests were first seen running, then the most running
-    running = [0]
-
-    def generating() -> bool:
-        text = httpx.get(f"http://{address}/metrics", timeout=5, trust_env=False).text
-        running[0] = parse_engine_metrics(text, 0.0).running
-        generated = sum(float(value) for value in _GENERATED.findall(text))
-        if running[0] == 0:  # between waves: wait for the next one
-            first.clear()
-            return False
-        if not first:
-            first[:] = [generated, running[0]]
-            return False
-        first[1] = max(first[1], running[0])
-        return generated - first[0] >= ANSWERED_TOKENS * first[1]
+    def answering() -> list[str]:
+        for log in (stack.run_dir / "logs").glob("processor*.log"):
+            with log.open("rb") as f:
+                f.seek(offsets.get(log, 0))
+                lines = f.read().split(b"\n")
+                offsets[log] = f.tell() - len(lines[-1])  # a line still being written: read it next time
+            for line in lines[:-1]:
+                if line.startswith(b"{") and b'"stage":"generate"' in line:
+                    record = orjson.loads(line)
+                    served_by[record["request_id"]] = record["instance"]
+                elif b'"level":"warning"' in line and address.encode() in line:
+                    warned.append(line)
+        return [r for r, chunks in tally.live.copy().items() if chunks >= 2 and served_by.get(r) == address]
 
     try:
-        wait(generating, timeout, f"requests well into their answers on {address}")
-    except TimeoutError as exc:  # with what each worker's scheduler says of the instances
-        raise TimeoutError(f"{exc}: {[s['scheduler']['instances'] for s in stack.states()]}") from None
-    return running[0]
+        wait(answering, timeout, f"a stream well into its answer on {address}")
+    except TimeoutError as exc:  # with what each worker's scheduler says of the instances, and why
+        instances = [s["scheduler"]["instances"] for s in stack.states()]
+        raise TimeoutError(f"{exc}: {instances}; the processor's last warnings: {list(warned)}") from None
+    return len(answering())
 
 
-ANSWERED_TOKENS = 24
-_GENERATED = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
 def engine_group(address: str) -> int:
@@ -282,7 +288,7 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     for _ in range(cycles):
         await asyncio.sleep(5)  # streams on both
         # (a kill between two of its streams would test nothing)
-        on_victim.append(await asyncio.to_thread(wait_until_generating, stack, victim, 60))
+        on_victim.append(await asyncio.to_thread(wait_until_answering, stack, victim, tally, 60))
         os.killpg(engine_group(victim), signal.SIGKILL)
         kills += 1
         await asyncio.to_thread(wait, lambda: victim not in stack.routes(), 30, "the killed engine held out")
