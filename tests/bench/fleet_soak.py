@@ -236,8 +236,6 @@ def wait_until_answering(stack: Stack, address: str, tally: Tally, timeout: floa
     return len(answering())
 
 
-
-
 def engine_group(address: str) -> int:
     """The process group of the engine listening on `address`."""
     host, port = address.rsplit(":", 1)
