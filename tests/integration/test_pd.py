@@ -38,6 +38,14 @@ class PdBench:
                 server.sim.received.clear()
                 server.sim.trigger_callbacks.clear()
 
+    def calm(self) -> None:
+        """Forgotten, and the engines' pace back to the default: the next test of a shared gateway."""
+        self.forget()
+        for group in self.servers.values():
+            for server in group:
+                server.sim.ttft_s = server.sim.token_delay_s = 0.0
+                server.sim.streams_cut = 0
+
     def calls(self, role: str) -> list[tuple[str, dict[str, Any]]]:
         """(engine, generate body) of every generate the role's engines received."""
         return [(sim.address, r.json()) for sim in self.sims(role) for r in sim.generate_requests()]
@@ -47,8 +55,9 @@ class PdBench:
 def _pd_gateway(
     stack: RunningStack, work: Path, decode_capabilities: list[str], union: int = 1, **sections: Any
 ) -> Iterator[PdBench]:
-    """A gateway of its own per test (breaker state never carries over). A start costs 6-8 s
-    (the processor imports vLLM), so a test's requests that script no fault share it."""
+    """A gateway of its own per test that scripts a fault (breaker state never carries over).
+    A start costs 6-15 s (the processor imports vLLM), so the tests that script none share one
+    per kind (`calm`)."""
     servers = {
         role: [SimServer(EngineSim()).start() for _ in range(n)]
         for role, n in (("prefill", 2), ("decode", 2), ("union", union))
@@ -86,16 +95,46 @@ def bench(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
         yield pd
 
 
+# Shared by the tests that script no fault, one gateway per kind for the module: (decode
+# capabilities, union instances).
+_KINDS = {"handoff": ([], 1), "trigger": (["concurrent_engine_sync"], 1), "no_union": ([], 0)}
+
+
+@pytest.fixture(scope="module")
+def _shared(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PdBench]]:
+    with contextlib.ExitStack() as gateways:
+        yield {
+            kind: gateways.enter_context(_pd_gateway(stack, tmp_path_factory.mktemp(kind), caps, union=union))
+            for kind, (caps, union) in _KINDS.items()
+        }
+
+
+def _calm(shared: PdBench) -> Iterator[PdBench]:
+    """A shared gateway as a fresh one would be, left with nothing held."""
+    shared.calm()
+    yield shared
+    shared.gateway.assert_no_leaks()
+
+
 @pytest.fixture
-def trigger(stack: RunningStack, tmp_path: Path) -> Iterator[PdBench]:
-    with _pd_gateway(stack, tmp_path, ["concurrent_engine_sync"]) as pd:
-        yield pd
+def handoff(_shared: dict[str, PdBench]) -> Iterator[PdBench]:
+    yield from _calm(_shared["handoff"])
 
 
-def test_handoff_is_one_prefill_then_one_decode_with_its_params(bench: PdBench) -> None:
+@pytest.fixture
+def trigger(_shared: dict[str, PdBench]) -> Iterator[PdBench]:
+    yield from _calm(_shared["trigger"])
+
+
+@pytest.fixture
+def batches(_shared: dict[str, PdBench]) -> Iterator[PdBench]:
+    yield from _calm(_shared["no_union"])
+
+
+def test_handoff_is_one_prefill_then_one_decode_with_its_params(handoff: PdBench) -> None:
     for stream in (False, True):  # (one gateway: a start costs seconds)
-        bench.forget()
-        _handoff(bench, stream)
+        handoff.forget()
+        _handoff(handoff, stream)
 
 
 def _handoff(bench: PdBench, stream: bool) -> None:
@@ -156,21 +195,21 @@ def test_nothing_healthy_is_a_503(bench: PdBench) -> None:
     assert bench.generate_calls("decode") == []
 
 
-def test_a_client_leaving_during_decode_leaves_nothing(bench: PdBench) -> None:
-    for sim in bench.sims("decode"):
+def test_a_client_leaving_during_decode_leaves_nothing(handoff: PdBench) -> None:
+    for sim in handoff.sims("decode"):
         sim.token_delay_s = 0.05
     with httpx.stream(
         "POST",
-        bench.gateway.base_url + "/v1/chat/completions",
+        handoff.gateway.base_url + "/v1/chat/completions",
         json={**CHAT, "max_tokens": 200, "stream": True},
         timeout=30,
     ) as response:
         for _ in response.iter_raw():
             break  # one chunk, then the client is gone
     deadline = time.monotonic() + 5
-    while sum(s.streams_cut for s in bench.sims("decode")) < 1 and time.monotonic() < deadline:
+    while sum(s.streams_cut for s in handoff.sims("decode")) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sum(s.streams_cut for s in bench.sims("decode")) == 1
+    assert sum(s.streams_cut for s in handoff.sims("decode")) == 1
 
 
 def test_trigger_sends_decode_first_and_prefill_when_its_engine_calls_back(trigger: PdBench) -> None:
@@ -256,10 +295,10 @@ def _pairs(bench: PdBench) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     return pairs
 
 
-def test_a_batch_is_one_handoff_per_prompt_merged_as_one_answer(no_union: PdBench) -> None:
+def test_a_batch_is_one_handoff_per_prompt_merged_as_one_answer(batches: PdBench) -> None:
     for stream in (False, True):
-        no_union.forget()
-        _batch_handoff(no_union, stream)
+        batches.forget()
+        _batch_handoff(batches, stream)
 
 
 def _batch_handoff(no_union: PdBench, stream: bool) -> None:
@@ -313,26 +352,26 @@ def test_without_prefill_or_pair_the_error_says_so(no_union: PdBench) -> None:
     assert len(no_union.generate_calls("prefill")) > tried and no_union.generate_calls("decode") == []
 
 
-def test_a_client_leaving_a_batch_during_its_prefill_legs_cancels_them(no_union: PdBench) -> None:
-    for sim in no_union.sims("prefill"):
+def test_a_client_leaving_a_batch_during_its_prefill_legs_cancels_them(batches: PdBench) -> None:
+    for sim in batches.sims("prefill"):
         sim.ttft_s = 2.0
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(no_union.gateway.base_url + "/v1/completions", json={**BATCH, "stream": True}, timeout=0.5)
-    no_union.gateway.assert_no_leaks(timeout=5)  # every prefill and decode lease back, nothing open
-    assert no_union.generate_calls("decode") == []
+        httpx.post(batches.gateway.base_url + "/v1/completions", json={**BATCH, "stream": True}, timeout=0.5)
+    batches.gateway.assert_no_leaks(timeout=5)  # every prefill and decode lease back, nothing open
+    assert batches.generate_calls("decode") == []
 
 
-def test_a_client_leaving_a_batch_mid_stream_cuts_every_decode_stream(no_union: PdBench) -> None:
-    for sim in no_union.sims("decode"):
+def test_a_client_leaving_a_batch_mid_stream_cuts_every_decode_stream(batches: PdBench) -> None:
+    for sim in batches.sims("decode"):
         sim.token_delay_s = 0.05
     body = {**BATCH, "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", no_union.gateway.base_url + "/v1/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", batches.gateway.base_url + "/v1/completions", json=body, timeout=30) as response:
         for _ in response.iter_raw():
             break
     deadline = time.monotonic() + 5
-    while sum(s.streams_cut for s in no_union.sims("decode")) < 3 and time.monotonic() < deadline:
+    while sum(s.streams_cut for s in batches.sims("decode")) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sum(s.streams_cut for s in no_union.sims("decode")) == 3
+    assert sum(s.streams_cut for s in batches.sims("decode")) == 3
 
 
 @pytest.mark.parametrize("kind", ["abort", "inband_error", "stall"])
