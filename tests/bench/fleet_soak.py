@@ -282,7 +282,7 @@ async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim
     await asyncio.to_thread(wait, lambda: len(stack.routes()) == 2, 900, "both engines route")
     stop = asyncio.Event()
     load = asyncio.create_task(keep_streaming(stack.url, streams, max_tokens, stop, tally))
-    on_victim: list[int] = []  # the requests it was generating when killed (their streams are relayed)
+    on_victim: list[int] = []  # its streams well into their answers when killed (they are relayed)
     for _ in range(cycles):
         await asyncio.sleep(5)  # streams on both
         # (a kill between two of its streams would test nothing)
