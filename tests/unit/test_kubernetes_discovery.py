@@ -138,6 +138,8 @@ async def test_an_inference_pools_selector_and_every_target_port_make_the_member
         sim.put_inference_pool("pool", APP, [8000, 8001])
         async with discovering(sim, inference_pool="pool") as publications:
             await published(publications, at("10.0.0.1", ports=(8000, 8001)))
+            # The watches open after the lists are published: wait for them, not race them.
+            await wait_until(lambda: "inferencepools" in sim.last_watch, lambda: sim.last_watch)
             assert sim.last_watch["inferencepools"]["fieldSelector"] == "metadata.name=pool"
             sim.put_inference_pool("pool", {"app": "next"}, [8002])  # a new selector moves the membership
             await published(publications, at("10.0.0.2", ports=(8002,)))
@@ -183,6 +185,7 @@ async def test_bookmarks_are_asked_for_and_a_watch_resumes_from_the_last_one() -
         sim.add_pod("a", "10.0.0.1", APP)
         async with discovering(sim, selector=APP) as publications:
             await published(publications, at("10.0.0.1"))
+            await wait_until(lambda: "pods" in sim.last_watch, lambda: sim.last_watch)  # (opened after the list)
             assert sim.last_watch["pods"]["allowWatchBookmarks"] in TRUE
             sim.bump()  # other objects change: the revision moves past every pod's
             bookmark = sim.send_bookmarks()
