@@ -156,7 +156,8 @@ def test_a_tenants_tokens_per_minute_hold_across_workers(two_workers: SimGateway
     window stays within the quota and reaches it to within one request."""
     gateway = two_workers
     # Quotas count in whole-minute windows: thirty chats split across a minute's end fit in two
-    # windows and are all served. Start them where the minute has time left for all of them (they take a few seconds).
+    # windows and are all served. Start them where the minute has time left for all of them
+    # (they take a few seconds).
     left = 60 - time.time() % 60
     if left < 15:
         time.sleep(left + 0.2)
