@@ -34,12 +34,40 @@ from ext_proc.config import (
 )
 from ext_proc.config_edge import ListenerConfig, ProcessorConfig
 from ext_proc.tools.local_stack import LocalStack
+from ext_proc.tools.managed_process import ManagedProcess
 from ext_proc.tools.tiny_model import ensure_tiny_model
 from tests.engine_sim import EngineSim, SimServer
+from tests.forkserver import ForkServer, forkable
 from tests.redis_server import RedisServer
 
 CI = os.environ.get("CI") == "true"
 READY_MARKER = "smoke request ->"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_processors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The processors the tests start are forks of one warm parent (why: tests/forkserver.py),
+    which starts with the first of them. `tito up` starts its own as a newcomer's does."""
+    server: ForkServer | None = None
+    start = ManagedProcess.start
+
+    def forked_start(process: ManagedProcess) -> None:
+        nonlocal server
+        if not forkable(process.command):
+            return start(process)
+        if server is None:
+            server = ForkServer(tmp_path_factory.mktemp("forkserver")).start()
+        process.log_path.parent.mkdir(parents=True, exist_ok=True)
+        process.popen = server.popen(process.command, process.log_path, {**os.environ, **process.env})  # type: ignore[assignment]
+        return None
+
+    ManagedProcess.start = forked_start  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ManagedProcess.start = start  # type: ignore[method-assign]
+        if server is not None:
+            server.stop()
 
 
 def missing(component: str) -> None:
