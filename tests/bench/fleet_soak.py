@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -232,8 +233,32 @@ def wait_until_answering(stack: Stack, address: str, tally: Tally, timeout: floa
         wait(answering, timeout, f"a stream well into its answer on {address}")
     except TimeoutError as exc:  # with what each worker's scheduler says of the instances, and why
         instances = [s["scheduler"]["instances"] for s in stack.states()]
-        raise TimeoutError(f"{exc}: {instances}; the processor's last warnings: {list(warned)}") from None
+        stacks = engine_stacks(address)
+        raise TimeoutError(
+            f"{exc}: {instances}; the processor's last warnings: {list(warned)}; the engine's stacks:\n{stacks}"
+        ) from None
     return len(answering())
+
+
+def engine_stacks(address: str) -> str:
+    """What each process of the engine on `address` is doing (py-spy), for a failure's message:
+    an engine that takes requests and answers nothing shows where it waits."""
+    try:
+        group = engine_group(address)
+    except LookupError as error:
+        return str(error)
+    dumps = []
+    for process in psutil.process_iter(["pid", "name"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(process.pid) == group:
+                spy = subprocess.run(
+                    [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                dumps.append(f"== {process.info['name']} {process.pid}\n{spy.stdout[-3000:]}{spy.stderr[-300:]}")
+    return "\n".join(dumps)
 
 
 def engine_group(address: str) -> int:
