@@ -20,6 +20,7 @@ path); the server answers one line with the child's pid, and later one line with
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -79,14 +80,19 @@ def serve(path: str) -> None:
     children: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
+    gc.freeze()  # what is imported stays out of the children's collections: its pages stay shared
     while True:
         for _ in selector.select(timeout=0.05):
             connection, _ = listener.accept()
-            with contextlib.suppress(OSError, ValueError):
+            try:
                 request = json.loads(connection.makefile("rb").readline())
                 pid = _fork(request, [listener, connection, *children.values()], selector)
                 connection.sendall(f"{pid}\n".encode())
-                children[pid] = connection
+            except (OSError, ValueError) as error:  # the client reads the end of the connection
+                print(f"a fork request failed: {error!r}", flush=True)
+                connection.close()
+                continue
+            children[pid] = connection
         _reap(children)
 
 
@@ -133,7 +139,6 @@ def _child(request: dict[str, Any]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.argv = [MODULE.replace(".", "/") + ".py", *request["argv"][3:]]
         from ext_proc.cli import main  # (`python -m ext_proc.cli` runs `sys.exit(main())`)
 

@@ -251,14 +251,21 @@ def engine_stacks(address: str) -> str:
     for process in psutil.process_iter(["pid", "name"]):
         with contextlib.suppress(psutil.Error, OSError):
             if os.getpgid(process.pid) == group:
-                spy = subprocess.run(
-                    [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(process.pid)],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
-                dumps.append(f"== {process.info['name']} {process.pid}\n{spy.stdout[-3000:]}{spy.stderr[-300:]}")
+                dumps.append(f"== {process.info['name']} {process.pid}\n{_stack(process.pid)}")
     return "\n".join(dumps)
+
+
+def _stack(pid: int) -> str:
+    try:
+        spy = subprocess.run(
+            [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except subprocess.TimeoutExpired:  # (seen with a process that got no CPU)
+        return "py-spy: no stack within 15 s"
+    return spy.stdout[-3000:] + spy.stderr[-300:]
 
 
 def engine_group(address: str) -> int:
