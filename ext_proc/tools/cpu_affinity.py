@@ -1,5 +1,5 @@
 """CPU placement of local CPU vLLM engines: an EngineCore process joins its workers' cores, and
-engines that serve yield their CPU share to one that starts.
+all engines run in one session.
 
 vLLM's CPU worker binds its OpenMP threads to the cores it computes on
 (`VLLM_CPU_OMP_THREADS_BIND=auto`: all but one reserved core) and leaves the rest to the
@@ -13,16 +13,15 @@ about what the even unbound rounds took: 0.94-1.39 s). The busy wait yields the 
 worker keeps it when it has work.
 
 Every engine's workers are bound to the same cores (`auto` reserves the last one for the
-rest), so an engine that starts beside one that serves competes with it for them, and loses:
-on 2 cores, beside an engine serving 64 streams, a starting engine's worker got 0-3 % of its
-core (a CPU-bound process in a session of its own got 0 %), and the engine did not start in
-10 minutes. Each engine runs in a session of its own, so Linux's autogroup scheduling weighs
-it as one group. With the serving engine's group at nice 5 the starting worker still got 0 %;
-at 19 it got 72 % and the serving engine's streams stalled; at 10 an engine starts in about a
-minute beside 64 streams (restarts in 32-46 s beside 32). An autogroup's nice, unlike a
-thread's, can be set back to 0 by its owner without privilege. (Engines that all serve share
-their core unevenly too: with three on one core, one made 5000-7800 tokens/s and the others
-under 15 for half a minute; the gateway relays what stalls.)
+rest), so engines on one machine share them. Linux's autogroup scheduling weighs each session
+as one group, and against a group whose tasks busy-wait like these, another group's tasks on
+that core got almost no CPU: in sessions of their own, an engine starting beside one that
+served 64 streams got 0-3 % of its core and did not start in 10 minutes, and of two engines
+that both served (2 cores, the tiny model), one answered a 32-token completion in 0.14-0.21 s
+alone and not within 300 s while the other streamed 8 answers. With both engines in one
+session (each in a process group of its own), it answered in 0.42-0.51 s: the tasks share the
+core as tasks. So `tito up` starts its engines in its own session (managed_process.py).
+(Bound to different cores, 0.14-0.21 s too, but on 2 cores that leaves none for the rest.)
 """
 
 from __future__ import annotations
@@ -78,18 +77,3 @@ def colocate_engine_core(engine_pid: int) -> dict[int, set[int]]:
             with contextlib.suppress(OSError):  # a thread may end meanwhile
                 os.sched_setaffinity(int(task.name), cpus)
     return cores
-
-
-# The nice value of a serving engine's autogroup while another engine starts (the lowest weight).
-YIELDING_NICE = 10
-
-
-def yield_cpu(session_leader: int, yielding: bool) -> bool:
-    """Set the autogroup of the session `session_leader` leads (an engine: its API server,
-    EngineCore and workers) to the lowest CPU weight, or back to the normal one. False where
-    the kernel has no autogroups (or the process is gone): nothing changes there."""
-    try:
-        (_PROC / str(session_leader) / "autogroup").write_text(f"{YIELDING_NICE if yielding else 0}\n")
-    except OSError:
-        return False
-    return True

@@ -24,7 +24,7 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolC
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.envoy_protocol.endpoints import write_atomically
 from ext_proc.extras import ENGINE, require
-from ext_proc.tools.cpu_affinity import colocate_engine_core, yield_cpu
+from ext_proc.tools.cpu_affinity import colocate_engine_core
 from ext_proc.tools.elastic_pool import (
     DRAIN_MAX_S,
     DRAIN_MIN_S,
@@ -161,8 +161,10 @@ class LocalStack:
         listener = self.config.listener
         return f"http://{listener.host}:{listener.port}"
 
-    def _add(self, name: str, command: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        process = ManagedProcess(name, command, self.work_dir / "logs" / f"{name}.log", env or {})
+    def _add(
+        self, name: str, command: list[str], env: dict[str, str] | None = None, own_session: bool = True
+    ) -> ManagedProcess:
+        process = ManagedProcess(name, command, self.work_dir / "logs" / f"{name}.log", env or {}, own_session)
         self.processes[name] = process
         process.start()
         return process
@@ -259,7 +261,8 @@ class LocalStack:
         ) + list(self.config.local.engine_extra_args)
         # NIXL's side channel: a port of its own per engine (vLLM's default, 5600, is shared)
         side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(1024 + (instance.port + 1000 + n) % 64512)}
-        self._add(name, command, {**self._engine_env(), **(side_channel if pool.kv_connector == "nixl" else {})})
+        env = {**self._engine_env(), **(side_channel if pool.kv_connector == "nixl" else {})}
+        self._add(name, command, env, own_session=False)  # one session for all engines: managed_process.py
 
     def restartable(self) -> set[str]:
         """What `tito up` restarts when it exits: every render process and engine (and the
@@ -451,11 +454,6 @@ class LocalStack:
             for core_pid, cpus in colocate_engine_core(popen.pid).items():
                 print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
 
-    def yield_cpu(self, name: str, yielding: bool) -> bool:
-        """Engine `name` yields its CPU share to engines starting beside it, or takes it back."""
-        popen = self.processes[name].popen
-        return popen is not None and yield_cpu(popen.pid, yielding)
-
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             process.stop()
@@ -500,7 +498,6 @@ class Supervision:
         self.policy = RestartPolicy(stack.restartable(), backoff)
         self.poll_s = poll_s
         self.starting: set[str] = set()  # engines (re)started that do not answer yet
-        self.yielding: set[str] = set()  # serving engines that yield their CPU share to those
 
     def run(self, stop: StopSignals) -> int:
         now = time.monotonic()
@@ -528,7 +525,6 @@ class Supervision:
             self._restart(name)
         self.starting |= set(self.stack.scale(self.policy, now))
         self._settle_started()
-        self._share_cpu()
         return True
 
     def _engines(self) -> set[str]:
@@ -553,23 +549,6 @@ class Supervision:
                 if self.stack.config.local.colocate_engine_core:
                     self.stack.colocate(name)
                 self.starting.discard(name)
-
-    def _share_cpu(self) -> None:
-        """While an engine starts, the engines that serve yield it their CPU share; they take it
-        back once none starts (why: ext_proc/tools/cpu_affinity.py). A line for each change."""
-        serving = {n for n in self._engines() - self.starting if n in self.stack.processes}
-        wanted = serving if self.starting and self.stack.config.local.yield_to_starting_engines else set()
-        given = [name for name in sorted(wanted - self.yielding) if self.stack.yield_cpu(name, True)]
-        back = sorted(self.yielding - wanted)
-        for name in back:
-            if name in self.stack.processes:
-                self.stack.yield_cpu(name, False)
-        self.yielding = (self.yielding | set(given)) - set(back)
-        if given:
-            starting = ", ".join(sorted(self.starting))
-            print(f"{', '.join(given)}: CPU share yielded while {starting} starts", file=sys.stderr, flush=True)
-        if back:
-            print(f"{', '.join(back)}: full CPU share again", file=sys.stderr, flush=True)
 
 
 def run_up(config: TitoConfig) -> int:

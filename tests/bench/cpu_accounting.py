@@ -31,8 +31,9 @@ def main_thread_cpu_seconds(pid: int) -> float:
 def group_cpu_by_pid(pgid: int) -> dict[int, float]:
     """CPU seconds of every live process in process group `pgid`: its own utime + stime (all its
     threads) plus cutime + cstime (children it reaped, e.g. a processor worker that died and was
-    restarted meanwhile). A LocalStack process runs in a session of its own, and what it starts
-    without a new session stays in its group: the processor supervisor's workers, vLLM's children."""
+    restarted meanwhile). A LocalStack process runs in a process group of its own (an engine in the stack's
+    session, the others in sessions of their own), and what it starts without a new group stays
+    in it: the processor supervisor's workers, vLLM's children."""
     ticks: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

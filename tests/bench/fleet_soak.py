@@ -9,7 +9,8 @@ request answered by an engine natively. Printed: streams, completed, lost (with 
 relays, restarts, how long a new engine took to route after its record appeared, and what
 `/debug/state` holds once the streams are over (leaks). Exit status 0 only with nothing lost
 and nothing leaked. A CPU engine takes about a minute to start here (under load too: `tito up`'s
-serving engines yield their CPU share to a starting one): the runs size for it.
+engines share one session, so the scheduler shares a core among their tasks): the runs size
+for it.
 """
 
 from __future__ import annotations
@@ -308,8 +309,7 @@ async def scale(stack: Stack, streams: int, max_tokens: int, sizes: list[int]) -
 
 async def chaos(stack: Stack, streams: int, max_tokens: int, cycles: int, victim: str) -> dict[str, Any]:
     """Engine `victim` (one of two) SIGKILLed `cycles` times under load, each time after
-    `tito up` has restarted it (the other engine yielding its CPU share meanwhile) and it
-    routes again."""
+    `tito up` has restarted it and it routes again."""
     kills, back, tally = 0, [], Tally()
     await asyncio.to_thread(wait, lambda: len(stack.routes()) == 2, 900, "both engines route")
     stop = asyncio.Event()

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ext_proc.tools.cpu_affinity import YIELDING_NICE, colocate_engine_core, descendants, parent_pid, yield_cpu
+from ext_proc.tools.cpu_affinity import colocate_engine_core, descendants, parent_pid
 
 # The "EngineCore": a second thread, then a "worker" that binds itself to the first core (when
 # the API server's argument says so) and says it is ready on stdout; all sleep until killed.
@@ -68,22 +68,6 @@ def test_unbound_workers_leave_everything_as_it_was() -> None:
     with engine_tree("free") as api:
         assert colocate_engine_core(api) == {}
         assert all(os.sched_getaffinity(t) == machine for t in _tasks(_engine_core(api)))
-
-
-def test_an_engine_yields_its_cpu_share_and_takes_it_back() -> None:
-    """The engine's whole session (API server, EngineCore, worker) is one autogroup."""
-    with engine_tree("bind") as api:
-        autogroup = Path(f"/proc/{api}/autogroup")
-        if not autogroup.exists():  # a kernel without autogroups: nothing to set
-            assert not yield_cpu(api, True)
-            return
-        worker = next(p for p in descendants(api) if parent_pid(p) != api)
-        assert yield_cpu(api, True)
-        assert autogroup.read_text().endswith(f" nice {YIELDING_NICE}\n")
-        assert Path(f"/proc/{worker}/autogroup").read_text() == autogroup.read_text()  # the same group
-        assert yield_cpu(api, False)  # back to normal: no privilege needed
-        assert autogroup.read_text().endswith(" nice 0\n")
-    assert not yield_cpu(api, False)  # gone
 
 
 def _engine_core(api: int) -> int:
