@@ -24,7 +24,7 @@ from ext_proc.config import InstanceConfig, KvEventsEndpoint, ModelConfig, PoolC
 from ext_proc.envoy_protocol.bootstrap import write_bootstrap
 from ext_proc.envoy_protocol.endpoints import write_atomically
 from ext_proc.extras import ENGINE, require
-from ext_proc.tools.cpu_affinity import colocate_engine_core
+from ext_proc.tools.cpu_affinity import can_restore_nice, colocate_engine_core, yield_cpu
 from ext_proc.tools.elastic_pool import (
     DRAIN_MAX_S,
     DRAIN_MIN_S,
@@ -116,6 +116,7 @@ class LocalStack:
         self.work_dir = work_dir
         work_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
+        self._may_renice: bool | None = None  # (yield_cpu: known once first asked)
         # Every process of a base model (and the processor's local tokenizer) reads the same
         # model: tiny ones are generated (a smaller vocabulary for each further base, so their
         # tokenizers differ), and so are LoRA adapters without a path; the processor
@@ -454,6 +455,17 @@ class LocalStack:
             for core_pid, cpus in colocate_engine_core(popen.pid).items():
                 print(f"{name}: EngineCore {core_pid} bound to its worker's CPUs {sorted(cpus)}", file=sys.stderr)
 
+    def yield_cpu(self, name: str, yielding: bool) -> bool:
+        """Engine `name` yields its CPU share to engines starting beside it, or takes it back.
+        Not where its nice could not be set back (no CAP_SYS_NICE): said once."""
+        if self._may_renice is None:
+            self._may_renice = can_restore_nice()
+            if not self._may_renice:
+                unable = "engines do not yield CPU to a starting engine: no privilege to set a nice back (CAP_SYS_NICE)"
+                print(unable, file=sys.stderr, flush=True)
+        popen = self.processes[name].popen
+        return self._may_renice and popen is not None and yield_cpu(popen.pid, yielding)
+
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             process.stop()
@@ -498,6 +510,7 @@ class Supervision:
         self.policy = RestartPolicy(stack.restartable(), backoff)
         self.poll_s = poll_s
         self.starting: set[str] = set()  # engines (re)started that do not answer yet
+        self.yielding: set[str] = set()  # serving engines that yield their CPU share to those
 
     def run(self, stop: StopSignals) -> int:
         now = time.monotonic()
@@ -525,6 +538,7 @@ class Supervision:
             self._restart(name)
         self.starting |= set(self.stack.scale(self.policy, now))
         self._settle_started()
+        self._share_cpu()
         return True
 
     def _engines(self) -> set[str]:
@@ -549,6 +563,23 @@ class Supervision:
                 if self.stack.config.local.colocate_engine_core:
                     self.stack.colocate(name)
                 self.starting.discard(name)
+
+    def _share_cpu(self) -> None:
+        """While an engine starts, the engines that serve yield it their CPU share; they take it
+        back once none starts (why: ext_proc/tools/cpu_affinity.py). A line for each change."""
+        serving = {n for n in self._engines() - self.starting if n in self.stack.processes}
+        wanted = serving if self.starting and self.stack.config.local.yield_to_starting_engines else set()
+        given = [name for name in sorted(wanted - self.yielding) if self.stack.yield_cpu(name, True)]
+        back = sorted(self.yielding - wanted)
+        for name in back:
+            if name in self.stack.processes:
+                self.stack.yield_cpu(name, False)
+        self.yielding = (self.yielding | set(given)) - set(back)
+        if given:
+            starting = ", ".join(sorted(self.starting))
+            print(f"{', '.join(given)}: CPU share yielded while {starting} starts", file=sys.stderr, flush=True)
+        if back:
+            print(f"{', '.join(back)}: full CPU share again", file=sys.stderr, flush=True)
 
 
 def run_up(config: TitoConfig) -> int:

@@ -12,7 +12,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ext_proc.tools.cpu_affinity import colocate_engine_core, descendants, parent_pid
+from ext_proc.tools.cpu_affinity import (
+    YIELDING_NICE,
+    can_restore_nice,
+    colocate_engine_core,
+    descendants,
+    group_tasks,
+    parent_pid,
+    yield_cpu,
+)
 
 # The "EngineCore": a second thread, then a "worker" that binds itself to the first core (when
 # the API server's argument says so) and says it is ready on stdout; all sleep until killed.
@@ -38,10 +46,9 @@ def _tasks(pid: int) -> list[int]:
 
 @contextlib.contextmanager
 def engine_tree(worker: str) -> Iterator[int]:
-    """The API server's pid, once its worker is up (bound to one core, or not: `worker`)."""
-    api = subprocess.Popen(
-        [sys.executable, "-c", API_SERVER, worker], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
+    """The API server's pid, once its worker is up (bound to one core, or not: `worker`); in
+    this session, in a process group of its own, as `tito up` starts an engine."""
+    api = subprocess.Popen([sys.executable, "-c", API_SERVER, worker], stdout=subprocess.PIPE, text=True, process_group=0)
     try:
         assert api.stdout is not None and api.stdout.readline().strip() == "ready"
         yield api.pid
@@ -68,6 +75,22 @@ def test_unbound_workers_leave_everything_as_it_was() -> None:
     with engine_tree("free") as api:
         assert colocate_engine_core(api) == {}
         assert all(os.sched_getaffinity(t) == machine for t in _tasks(_engine_core(api)))
+
+
+def test_an_engine_yields_its_cpu_share_and_takes_it_back() -> None:
+    """Every thread of every process in the engine's group (API server, EngineCore, worker),
+    and nothing outside it; the nice goes back to 0 only with the privilege to lower it."""
+    with engine_tree("bind") as api:
+        tasks = group_tasks(api)
+        assert set(tasks) >= {*_tasks(api), *_tasks(_engine_core(api))} and len(tasks) >= 4  # the worker too
+        assert yield_cpu(api, True)
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {YIELDING_NICE}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the stack itself keeps its share
+        if can_restore_nice():
+            assert yield_cpu(api, False)
+            assert {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {0}
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert not yield_cpu(int(ended.stdout), True)  # no such group: nothing set
 
 
 def _engine_core(api: int) -> int:

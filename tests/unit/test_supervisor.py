@@ -162,9 +162,14 @@ class _Stack:
         self.scale_up: list[str] = []
         self.scale_down: list[str] = []
         self.ready: set[str] = set()  # engines whose /health answers
+        self.shares: list[tuple[str, bool]] = []  # yield_cpu calls
 
     def engine_ready(self, name: str) -> bool:
         return name in self.ready
+
+    def yield_cpu(self, name: str, yielding: bool) -> bool:
+        self.shares.append((name, yielding))
+        return True
 
     def restartable(self) -> set[str]:
         return {name for name in self.processes if name.startswith(("render", "engine"))}
@@ -245,6 +250,35 @@ def test_the_loop_restarts_an_engine_scaled_up_and_forgets_one_scaled_down(
     stack.processes["engine1"].returncode = 1
     assert supervision.step(5.0)  # the stack goes on; the stopped engine is not restarted
     assert supervision.step(100.0) and stack.restarts == ["engine2", "engine1"]
+
+
+def test_serving_engines_yield_their_cpu_share_while_another_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack, supervision = _supervision(tmp_path)
+    stack.processes["engine1"].returncode = -9
+    assert supervision.step(1.0) and stack.shares == []  # nothing starts yet
+    assert supervision.step(2.0) and stack.restarts == ["engine1"]
+    assert stack.shares == [("engine0", True)]
+    assert "engine0: CPU share yielded while engine1 starts" in capsys.readouterr().err
+    stack.scale_up.append("engine2")  # a second one starts meanwhile: engine0 already yields
+    assert supervision.step(3.0) and stack.shares == [("engine0", True)]
+    stack.ready.add("engine1")  # engine1 up: it yields to engine2 too
+    assert supervision.step(4.0) and stack.shares[1:] == [("engine1", True)]
+    stack.ready.add("engine2")
+    assert supervision.step(5.0) and stack.shares[2:] == [("engine0", False), ("engine1", False)]
+    assert "engine0, engine1: full CPU share again" in capsys.readouterr().err
+    assert supervision.step(6.0) and len(stack.shares) == 4  # nothing starts: nothing changes
+
+
+def test_no_engine_yields_when_so_configured(tmp_path: Path) -> None:
+    stack, supervision = _supervision(tmp_path)
+    stack.config = TitoConfig.model_validate(
+        {"local": {"colocate_engine_core": False, "yield_to_starting_engines": False}}
+    )
+    stack.processes["engine1"].returncode = -9
+    assert supervision.step(1.0) and supervision.step(2.0) and stack.restarts == ["engine1"]
+    assert stack.shares == []
 
 
 # A leader that starts a child in its own process group (as vLLM's API server starts its
