@@ -61,7 +61,7 @@ def _processor(args: argparse.Namespace) -> int:
 
         processor = config.processor
         ports = [(processor.host, port) for port, _ in processor.worker_ports()]
-        return supervise(functools.partial(_worker_command, args, processor.workers), ports)
+        return supervise(functools.partial(_worker, args, processor.workers), ports)
     if args.worker is not None:
         config = config.model_copy(update={"processor": config.processor.for_worker(args.worker)})
     configure_logging(args.log_level, config.logging.format)
@@ -75,11 +75,12 @@ def _processor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_processor)
 
 
-def _worker_command(args: argparse.Namespace, workers: int, index: int) -> list[str]:
-    """One worker of `tito processor --workers N`: the same config, its own ports."""
-    config = ["--config", args.config] if args.config else []
-    processor = ["processor", "--workers", str(workers), "--worker", str(index)]
-    return [sys.executable, "-m", "ext_proc.cli", *config, "--log-level", args.log_level, *processor]
+def _worker(args: argparse.Namespace, workers: int, index: int) -> int:
+    """One worker of `tito processor --workers N` (in a fork of the supervisor): the same
+    config, its own ports."""
+    return _reporting_missing_extras(
+        _processor, argparse.Namespace(**{**vars(args), "workers": workers, "worker": index})
+    )
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -366,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     if not COMMANDS[args.command].passthrough:  # (vLLM sets up its own logging)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    return _reporting_missing_extras(args.run, args)
+
+
+def _reporting_missing_extras(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
-        return int(args.run(args))
+        return int(run(args))
     except MissingExtra as missing:  # a lean install asked for a part it has not got
         print(f"tito: {missing}", file=sys.stderr)
         return 2

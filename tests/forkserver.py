@@ -20,8 +20,6 @@ path); the server answers one line with the child's pid, and later one line with
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import json
 import os
 import select
@@ -35,27 +33,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# What a processor has imported by the time it listens (`-X importtime`), the lazy imports of
-# its start included: with any one missing, each fork pays for it again.
-PRELOAD = (
-    "ext_proc.cli",
-    "ext_proc.server",
-    "ext_proc.observability.stage_log",
-    "ext_proc.workers",
-    "ext_proc.frontend.render_in_process",
-    "vllm.parser",
-    "vllm.parser.engine.registered_adapters",
-    "vllm.parser.engine.streaming_parser_engine",
-    "vllm.tokenizers.detokenizer_utils",
-    "vllm.v1.engine.detokenizer",
-    "vllm.entrypoints.openai.chat_completion.protocol",
-    "vllm.entrypoints.openai.completion.protocol",
-    "vllm.entrypoints.openai.responses.serving",
-    "vllm.entrypoints.launchers.cli_args",
-    "vllm.entrypoints.launchers.render.app_state",
-    "httpcore",
-    "anyio",
-)
 MODULE = "ext_proc.cli"
 
 
@@ -68,11 +45,11 @@ def forkable(command: list[str]) -> bool:
 
 
 def serve(path: str) -> None:
-    for module in PRELOAD:
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # (a fork imports it itself, and reports what is wrong)
-            print(f"preloading {module}: {error!r}", flush=True)
+    # What a processor has imported by the time it listens, the lazy imports of its start
+    # included (the processor's own supervisor forks its workers from the same)
+    from ext_proc.workers import preload
+
+    preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
     listener.listen(64)
@@ -80,7 +57,6 @@ def serve(path: str) -> None:
     children: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
-    gc.freeze()  # what is imported stays out of the children's collections: its pages stay shared
     while True:
         for _ in selector.select(timeout=0.05):
             connection, _ = listener.accept()

@@ -113,7 +113,7 @@ def can_restore_nice() -> bool:
 
 def group_tasks(pgid: int) -> list[int]:
     """Every thread of every process in process group `pgid`."""
-    tasks = []
+    tasks: list[int] = []
     for entry in _PROC.iterdir():
         if entry.name.isdigit() and _process_group(entry) == pgid:
             with contextlib.suppress(OSError):  # a process may end meanwhile
