@@ -61,7 +61,7 @@ def _processor(args: argparse.Namespace) -> int:
 
         processor = config.processor
         ports = [(processor.host, port) for port, _ in processor.worker_ports()]
-        return supervise(functools.partial(_worker, args, processor.workers), ports)
+        return supervise(functools.partial(_worker, args, processor.workers), ports, WORKER_MODULES)
     if args.worker is not None:
         config = config.model_copy(update={"processor": config.processor.for_worker(args.worker)})
     configure_logging(args.log_level, config.logging.format)
@@ -73,6 +73,28 @@ def _processor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, help="processes on this host (default: processor.workers)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     parser.set_defaults(run=_processor)
+
+
+# What a processor imports before it serves (found with `python -X importtime`): the server,
+# and what it imports only once it runs (render in process, the derender's parsers and models).
+WORKER_MODULES = (
+    "ext_proc.cli",
+    "ext_proc.server",
+    "ext_proc.observability.stage_log",
+    "ext_proc.frontend.render_in_process",
+    "vllm.parser",
+    "vllm.parser.engine.registered_adapters",
+    "vllm.parser.engine.streaming_parser_engine",
+    "vllm.tokenizers.detokenizer_utils",
+    "vllm.v1.engine.detokenizer",
+    "vllm.entrypoints.openai.chat_completion.protocol",
+    "vllm.entrypoints.openai.completion.protocol",
+    "vllm.entrypoints.openai.responses.serving",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.entrypoints.launchers.render.app_state",
+    "httpcore",
+    "anyio",
+)
 
 
 def _worker(args: argparse.Namespace, workers: int, index: int) -> int:

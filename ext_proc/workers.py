@@ -7,7 +7,7 @@ config and subscribes to the same engines' KV cache events, so their prefix inde
 on what the engines hold; each enforces its share of the admission budgets
 (`TitoConfig.process_token_budgets`). This supervisor only starts, restarts and stops them.
 
-It forks them: it imports what a worker imports (`WORKER_MODULES`, 15 s of CPU on 2 cores:
+It forks them: it imports what a worker imports (`cli.WORKER_MODULES`, 15 s of CPU on 2 cores:
 vLLM's parsers and request models, torch, transformers) once, while it has no thread, loop or
 socket yet, and each fork starts serving at once, a restarted one too, with those pages
 shared among them. (Each started as a new process took the 15 s itself.)
@@ -24,37 +24,17 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger("tito.workers")
 RESTART_BACKOFF_S = (1.0, 30.0)  # a worker that keeps dying is restarted less and less often
-# What a processor imports before it serves (found with `python -X importtime`): the server,
-# and what it imports only once it runs (render in process, the derender's parsers and models).
-WORKER_MODULES = (
-    "ext_proc.cli",
-    "ext_proc.server",
-    "ext_proc.observability.stage_log",
-    "ext_proc.frontend.render_in_process",
-    "vllm.parser",
-    "vllm.parser.engine.registered_adapters",
-    "vllm.parser.engine.streaming_parser_engine",
-    "vllm.tokenizers.detokenizer_utils",
-    "vllm.v1.engine.detokenizer",
-    "vllm.entrypoints.openai.chat_completion.protocol",
-    "vllm.entrypoints.openai.completion.protocol",
-    "vllm.entrypoints.openai.responses.serving",
-    "vllm.entrypoints.launchers.cli_args",
-    "vllm.entrypoints.launchers.render.app_state",
-    "httpcore",
-    "anyio",
-)
 
 
-def preload() -> None:
-    """Import `WORKER_MODULES` (one that fails is left to the worker, which then reports it)
-    and keep what they made out of later collections, so forks keep sharing its pages."""
-    for module in WORKER_MODULES:
+def preload(modules: Sequence[str]) -> None:
+    """Import `modules` (one that fails is left to the worker, which then reports it) and keep
+    what they made out of later collections, so forks keep sharing its pages."""
+    for module in modules:
         try:
             importlib.import_module(module)
         except Exception as error:
@@ -157,13 +137,15 @@ class StopSignals:
         self.requested = True
 
 
-def supervise(run: Callable[[int], int], ports: list[tuple[str, int]], poll_s: float = 0.2) -> int:
+def supervise(
+    run: Callable[[int], int], ports: list[tuple[str, int]], modules: Sequence[str] = (), poll_s: float = 0.2
+) -> int:
     """Run `run(i)` in a fork for each worker until SIGTERM/SIGINT (its exit code: the fork's),
     restarting a worker that dies meanwhile (Envoy's health check keeps streams off it until
     it is back); then pass the signal on and wait for every worker to drain. 0 when all of them
     exited cleanly. `ports`: each worker's gRPC (host, port). One that exits before it ever
-    served stops them all."""
-    preload()
+    served stops them all. `modules`: what a worker imports, imported here first."""
+    preload(modules)
     stop = StopSignals()
     pool = [_Worker(i) for i in range(len(ports))]
     try:

@@ -47,9 +47,10 @@ def forkable(command: list[str]) -> bool:
 def serve(path: str) -> None:
     # What a processor has imported by the time it listens, the lazy imports of its start
     # included (the processor's own supervisor forks its workers from the same)
+    from ext_proc.cli import WORKER_MODULES
     from ext_proc.workers import preload
 
-    preload()
+    preload(WORKER_MODULES)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
     listener.listen(64)
