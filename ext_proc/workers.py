@@ -15,6 +15,8 @@ shared among them. (Each started as a new process took the 15 s itself.)
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import importlib
 import logging
@@ -26,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 log = logging.getLogger("tito.workers")
 RESTART_BACKOFF_S = (1.0, 30.0)  # a worker that keeps dying is restarted less and less often
@@ -52,8 +55,8 @@ class ForkedWorker:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
             self.pid = os.fork()
-            if self.pid == 0:  # the worker: it never returns into the supervisor's frames
-                os._exit(_run_worker(run))
+            if self.pid == 0:  # the worker
+                _run_worker(run)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
@@ -77,20 +80,31 @@ class ForkedWorker:
 _STOPS = {signal.SIGTERM, signal.SIGINT}
 
 
-def _run_worker(run: Callable[[], int]) -> int:
+def _run_worker(run: Callable[[], int]) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's handlers are not the worker's
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+    exit_as_process(run)
+
+
+def exit_as_process(run: Callable[[], int]) -> NoReturn:
+    """End a forked child as `sys.exit(run())` ends an interpreter: its exit code (a
+    traceback and 1 for an exception), its exit functions and logging shut down, its output
+    flushed; and never back into the frames it was forked from."""
+    code = 1
     try:
-        return run()
-    except SystemExit as exit:
-        return exit.code if isinstance(exit.code, int) else 1
+        code = run()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
         traceback.print_exc()
-        return 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 @dataclass

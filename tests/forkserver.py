@@ -29,9 +29,8 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 MODULE = "ext_proc.cli"
 
@@ -100,11 +99,11 @@ def _reap(children: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def _child(request: dict[str, Any]) -> None:
+def _child(request: dict[str, Any]) -> NoReturn:
     """What `subprocess.Popen(argv, stdout=log, stderr=STDOUT, stdin=DEVNULL, env=env,
     start_new_session=True)` would have made, from here on."""
-    code = 1
-    try:
+
+    def run() -> int:
         os.setsid()
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -119,22 +118,11 @@ def _child(request: dict[str, Any]) -> None:
         sys.argv = [MODULE.replace(".", "/") + ".py", *request["argv"][3:]]
         from ext_proc.cli import main  # (`python -m ext_proc.cli` runs `sys.exit(main())`)
 
-        code = main()
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        with contextlib.suppress(BaseException):
-            import atexit
-            import logging
+        return main()
 
-            atexit._run_exitfuncs()
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    from ext_proc.workers import exit_as_process
+
+    exit_as_process(run)
 
 
 # -- the client (in the test process) ------------------------------------------------------

@@ -41,12 +41,17 @@ from pathlib import Path
 _PROC = Path("/proc")
 
 
-def parent_pid(pid: int) -> int | None:
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm)": state, ppid, pgrp, session, ..."""
     try:
-        stat = (_PROC / str(pid) / "stat").read_text()
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid, ...
+
+
+def parent_pid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
 
 
 def descendants(pid: int) -> list[int]:
@@ -115,18 +120,10 @@ def group_tasks(pgid: int) -> list[int]:
     """Every thread of every process in process group `pgid`."""
     tasks: list[int] = []
     for entry in _PROC.iterdir():
-        if entry.name.isdigit() and _process_group(entry) == pgid:
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and int(fields[2]) == pgid:
             with contextlib.suppress(OSError):  # a process may end meanwhile
                 tasks.extend(int(task.name) for task in (entry / "task").iterdir())
     return tasks
-
-
-def _process_group(entry: Path) -> int | None:
-    try:
-        stat = (entry / "stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[2])  # after "pid (comm)": state, ppid, pgrp
 
 
 def yield_cpu(pgid: int, yielding: bool) -> bool:

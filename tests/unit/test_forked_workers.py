@@ -28,7 +28,11 @@ def _exit_3() -> int:
     sys.exit(3)
 
 
-@pytest.mark.parametrize(("run", "code"), [(lambda: 0, 0), (lambda: 5, 5), (_exit_3, 3), (_raise, 1)])
+def _exit() -> int:
+    sys.exit()
+
+
+@pytest.mark.parametrize(("run", "code"), [(lambda: 0, 0), (lambda: 5, 5), (_exit_3, 3), (_exit, 0), (_raise, 1)])
 def test_a_forks_exit_code_is_what_its_run_returned_or_raised(
     run: Callable[[], int], code: int, capfd: pytest.CaptureFixture[str]
 ) -> None:
