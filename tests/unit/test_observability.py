@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import logging
 import time
+from typing import Any
 
 import orjson
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -110,3 +112,23 @@ def test_a_stage_line_in_json_carries_the_request_id_and_its_fields_as_keys() ->
         "failed": "10.0.0.7:8200",
         "served_by": "10.0.0.8:8200",
     }
+
+
+def test_a_stage_line_is_logged_without_looking_up_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No format prints the caller's file and line, and finding them walks a request task's
+    whole stack: a stage line never asks for them."""
+
+    def walked(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the caller was looked up")
+
+    monkeypatch.setattr(logging.Logger, "findCaller", walked)
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    STAGE_LOGGER.addHandler(handler)
+    STAGE_LOGGER.setLevel(logging.INFO)
+    try:
+        stage("leg", "abc123", instance="10.0.0.7:8200", role="union")
+    finally:
+        STAGE_LOGGER.removeHandler(handler)
+    assert out.getvalue() == "INFO tito.stage: leg request=abc123 instance=10.0.0.7:8200 role=union\n"
