@@ -142,6 +142,10 @@ class OpenAIRequest:
     # as it came and the engine's answer is the client's (e.g. usage an engine reports only
     # on that endpoint). None: a native leg sends this (pipeline) request.
     native: OpenAIRequest | None = None
+    # vLLM's own model of `body` (its request class, as its API server validates it), where
+    # render made one in this process: derender reads that one instead of validating the
+    # body again, as native serving's stream generator reads the object its render read.
+    validated: Any = field(default=None, compare=False, repr=False)
 
     @property
     def model(self) -> str | None:

@@ -60,7 +60,10 @@ class DerenderModel:
         return details if whole else {k: v for k, v in details.items() if v is not None}
 
     def client_request(self, request: TokenizedRequest) -> Any:
-        """vLLM's own model of the client request, as native serving validates it."""
+        """vLLM's own model of the client request, as native serving validates it (the one
+        render validated, when it rendered in this process)."""
+        if request.request.validated is not None:
+            return request.request.validated
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 

@@ -161,21 +161,27 @@ def test_gateway_answer_equals_native_vllm(
 
 @pytest.fixture(scope="module")
 def coalesced_gateway(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealGateway]:
-    """The stack's engine behind a gateway that asks it for 16 tokens per stream event."""
-    gateway = start_real_gateway(stack, tmp_path_factory.mktemp("coalescedgw"), derender={"stream_interval": 16})
+    """The stack's engine behind a gateway that asks it for 16 tokens per stream event and
+    renders in process (vLLM's renderer in the processor, whose validated request derender
+    then reads)."""
+    work = tmp_path_factory.mktemp("coalescedgw")
+    gateway = start_real_gateway(stack, work, derender={"stream_interval": 16}, render_config={"mode": "in_process"})
     yield gateway
     gateway.gateway.stop()
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.stream], ids=lambda case: case.name)
-def test_a_stream_of_16_tokens_per_engine_event_equals_native_vllm(
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_a_stream_of_16_tokens_per_engine_event_rendered_in_process_equals_native_vllm(
     case: Case, stack: RunningStack, coalesced_gateway: RealGateway, conformance_client: httpx.Client
 ) -> None:
     """Engine-side coalescing (`derender.stream_interval`) changes how many messages carry
-    the answer, never the answer: the native side streams one token per event."""
+    the answer, never the answer: the native side streams one token per event. Render in
+    process changes where the request is rendered and validated, never the answer."""
     model = stack.config.model.served_name
     result = run_case(case, coalesced_gateway.base_url, stack.engine_url, model, conformance_client)
-    assert result.status == "PASS", f"{result.status} {case.name} (stream_interval 16):\n" + "\n".join(result.lines)
+    assert result.status == "PASS", (
+        f"{result.status} {case.name} (stream_interval 16, render in process):\n" + "\n".join(result.lines)
+    )
 
 
 # Anthropic Messages (chat inside the gateway) and OpenAI Responses (completions inside once

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from ext_proc.frontend.render import RenderRejected, rendered
-from ext_proc.frontend.render_in_process import InProcessRender
+from ext_proc.frontend.render_in_process import InProcessRender, request_model
 from ext_proc.protocol import OpenAIRequest, Pipeline
 from tests.conftest import RunningStack
 
@@ -67,8 +67,21 @@ def test_in_process_render_answers_what_the_sidecar_answers(
     assert orjson.loads(local[1]) == orjson.loads(sidecar[1])
     request = OpenAIRequest(api, body)
     if sidecar[0] == 200:
-        assert asyncio.run(in_process.render(request, raw, "parity-1")) == rendered(request, *sidecar)
+        tokenized = asyncio.run(in_process.render(request, raw, "parity-1"))
+        assert tokenized == rendered(request, *sidecar)
+        # vLLM's model of the request, as derender would validate it: read, not made again
+        assert type(tokenized.request.validated) is request_model(api)
     else:
         with pytest.raises(RenderRejected) as err:
             asyncio.run(in_process.render(request, raw, "parity-1"))
         assert err.value.status == sidecar[0]
+
+
+@pytest.mark.parametrize("extra", [{"metadata": {"k": "v"}}, {"user": "u1"}, {"model": "tiny-alias"}])
+def test_a_body_derender_keeps_otherwise_is_validated_again(in_process: InProcessRender, extra: dict[str, Any]) -> None:
+    """Derender keeps the body without `metadata` and `user`, and render gets it under the
+    base model's name: for such a body render's validated request is not derender's."""
+    api, body = CASES["chat"]
+    request = OpenAIRequest(api, {**body, **extra})
+    raw = orjson.dumps({**body, **{k: v for k, v in extra.items() if k != "model"}})
+    assert asyncio.run(in_process.render(request, raw, "parity-2")).request.validated is None

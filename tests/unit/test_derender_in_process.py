@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -280,3 +281,23 @@ def test_a_session_made_on_the_loop_or_on_a_thread_streams_the_same(
     assert created.sub(b"", asyncio.run(streamed())) == created.sub(b"", expected)
     with pytest.raises(GatewayError, match="derender failed"):
         asyncio.run(broken())
+
+
+def test_a_request_render_validated_in_process_is_not_validated_again(model: Any) -> None:
+    """Render in process hands derender vLLM's model of the request it validated (native
+    serving's stream generator reads the object its render read): derender reads that one,
+    and streams what it streams from its own validation of the body."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "tools": TOOLS}
+    own = _request(model, Pipeline.CHAT, body)
+    validated = ChatCompletionRequest.model_validate(own.request.body)
+    shared = TokenizedRequest(replace(own.request, validated=validated), own.request_id, own.prompts)
+    assert model.client_request(shared) is validated
+    assert model.client_request(own) is not validated
+    ids = _ids(model, "<think>\nhm\n</think>\n\nHello there" + EOS)
+    created = re.compile(rb'"created":\d+')
+    streamed = [_stream(model, r, _events(ids)) for r in (own, shared)]
+    assert [created.sub(b"", orjson.dumps(c)) for c in streamed[0]] == [
+        created.sub(b"", orjson.dumps(c)) for c in streamed[1]
+    ]
