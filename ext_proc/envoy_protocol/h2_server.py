@@ -172,6 +172,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # connection bytes not yet credited
         self.paused: asyncio.Future[None] | None = None
         self.going_away = False
+        self.unsent: list[bytes] | None = None  # frames of this turn of the loop (`_write`)
 
     # -- the transport's side ------------------------------------------------------------
 
@@ -523,8 +524,21 @@ class _Connection(asyncio.Protocol):
     # -- the connection ---------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        """Frames go out together at the end of the loop's turn: the replies one step of a
+        handler puts (a request's headers and body replies), and those of the streams that
+        ran in the same turn, cost one send and one wake-up of the peer, not one each."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.unsent is None:
+            self.unsent = [data]
+            self.loop.call_soon(self._send)
+        else:
+            self.unsent.append(data)
+
+    def _send(self) -> None:
+        unsent, self.unsent = self.unsent, None
+        if unsent and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(unsent))
 
     def go_away(self) -> None:
         """Stop: the peer opens no new stream here (the open ones may finish)."""
@@ -537,6 +551,7 @@ class _Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         if self.transport is not None:
+            self._send()  # (the transport still writes what it has before it closes)
             self.transport.close()
 
 
