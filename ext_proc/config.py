@@ -82,6 +82,10 @@ class RenderConfig(Section):
     # (`ext_proc/frontend/render_parser_cache.py`; checked against fresh parsers in `make test`)
     reuse_parsers: bool = True
     renderer_num_workers: int = 4
+    # The render server's uvicorn line per render call. Off: the processor's stage lines name
+    # every request already (by its id, which these lines lack), and the line was a
+    # measurable part of the sidecar's CPU per request (docs/performance.md).
+    access_log: bool = False
     image_name: str = "vllm/vllm-openai:v0.32.0"
 
     def pool(self) -> list[RenderEndpoint]:

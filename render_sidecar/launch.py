@@ -46,6 +46,8 @@ def render_command(
     args = model_flags(model, model_path)
     args += ["--host", endpoint.host, "--port", str(endpoint.port)]
     args += ["--renderer-num-workers", str(render.renderer_num_workers)]
+    if not render.access_log:
+        args.append("--disable-uvicorn-access-log")
     return [*vllm_cli(), "launch", "render", *args]
 
 

@@ -156,6 +156,9 @@ def test_tito_render_runs_vllms_render_server_with_the_configs_model_flags(
         assert _contains(command, flag), flag
     assert (_flag(command, "--host"), _flag(command, "--port")) == ("127.0.0.1", "8100")
     assert _flag(command, "--renderer-num-workers") == "2"
+    assert "--disable-uvicorn-access-log" in command  # (the processor logs every request)
+    logged = config.render_config.model_copy(update={"access_log": True})
+    assert "--disable-uvicorn-access-log" not in launch.render_command(logged, config.model, "/m")
 
 
 def test_tito_render_endpoint_picks_the_render_pools_nth(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:

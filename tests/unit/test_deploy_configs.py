@@ -677,6 +677,7 @@ def test_engines_publish_what_the_processor_subscribes_to(tmp_path: Path) -> Non
         f"--max-model-len={config.model.max_model_len}",
     ]
     assert set(model_flags) <= set(engine["args"]) and set(model_flags) <= set(render["args"])
+    assert "--disable-uvicorn-access-log" in render["args"]  # as `tito render` (render_config.access_log)
     # both pods generate the model everything loads (the gateway pod every base's)
     assert config.model.path == f"/models/tiny-qwen3-v{FORMAT_VERSION}"
     assert _container(engines, "model", init=True)["args"] == ["tiny-model", "--cache-dir", "/models"]
