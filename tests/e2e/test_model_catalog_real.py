@@ -37,7 +37,7 @@ def lora_stack(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) ->
     model["adapters"] = [{"name": ADAPTER}]  # no path: `tito up` generates it
     second = {  # no path: `tito up` generates a tiny model with a smaller vocabulary
         "model": {**stack.config.model.model_dump(), "path": None, "served_name": SECOND},
-        "render_config": {"endpoint": {"port": free_port()}},
+        "render_config": {"endpoint": {"port": free_port()}, "access_log": True},
         "pools": [{"instances": [{"port": free_port()}]}],
     }
     engines = [Endpoint(port=free_port())]
@@ -49,6 +49,7 @@ def lora_stack(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) ->
         model=model,
         models=[second],
         capabilities={"interval_s": 3600},  # no canary renders between a test's counts of render requests
+        render_config={"access_log": True},  # each sidecar's line per render call: what the tests count
     )
     with tito_up(work, config) as running:
         yield running
@@ -91,7 +92,7 @@ def test_each_models_answer_equals_its_engines_own(
 
 
 def _rendered(stack: RunningStack, render: str) -> int:
-    """Requests a render sidecar has rendered (its access log's lines)."""
+    """Requests a render sidecar has rendered (its access log's lines: `render_config.access_log`)."""
     log = Path(stack.config.local.cache_dir) / "run" / "logs" / f"{render}.log"
     return sum("/render HTTP/1.1" in line for line in log.read_text().splitlines())
 
