@@ -47,8 +47,12 @@ class GatewayError(Exception):
         body: bytes | None = None,
         kind: str | None = None,
         retry_after: int | None = None,
+        in_stream: bool = False,
     ) -> None:
         super().__init__(message)
+        # a streaming request's error that native's engine finds while generating: the client
+        # gets it inside the stream (200, the error event, [DONE]), not as the status
+        self.in_stream = in_stream
         self.retry_after = retry_after  # seconds: the Retry-After header of a refusal
         self.status = status
         self.message = message

@@ -8,11 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from ext_proc.api.body import refused_by
+from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.errors import GatewayError
 from ext_proc.frontend.render_in_process import request_model
 from ext_proc.planning.plan import Local, Plan
 from ext_proc.planning.planner import Planner
 from ext_proc.protocol import OpenAIRequest, Pipeline
+
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"  # native's, for a stream it answers
 
 
 class OpenAIApi:
@@ -32,7 +35,16 @@ class OpenAIApi:
             request = OpenAIRequest(self.handlers[handler], body, self._planner.catalog.resolve(body.get("model")))
         except GatewayError as error:
             return Local(error.status, error.body)
-        return await self._planner.plan(request, raw, request_id)
+        plan = await self._planner.plan(request, raw, request_id)
+        if isinstance(plan, Local) and plan.in_stream:
+            return streamed_error(plan)
+        return plan
 
     async def refused(self, handler: str, body: dict[str, Any], raw: bytes, request_id: str) -> Local | None:
         return await refused_by(request_model(self.handlers[handler]), raw)
+
+
+def streamed_error(refusal: Local) -> Local:
+    """An error native's engine finds while generating, as a streaming request gets it: the
+    stream's only event, then [DONE] (`completion_stream_generator`'s `except`)."""
+    return Local(200, sse_event(refusal.body) + DONE_EVENT, content_type=SSE_CONTENT_TYPE)

@@ -177,7 +177,7 @@ class Exchange(EnvoyStream):
         if isinstance(plan, Local) and plan.status >= 400:  # a refusal: an ImmediateResponse (EPP protocol)
             replies = [self._refuse(GatewayError(plan.status, "refused", body=plan.body, retry_after=plan.retry_after))]
         elif isinstance(plan, Local):  # after the body's end
-            self.mode, replies = Mode.LOCAL, msg.local_response(plan.status, plan.body, self.record)
+            self.mode, replies = Mode.LOCAL, msg.local_response(plan.status, plan.body, self.record, plan.content_type)
         else:  # (a gateway that keeps the answer gets the client's body on its route: `as_sent`)
             as_sent = raw if isinstance(plan, Native) and not plane.rewrites else None
             limit = self._s.config.processor.destination_endpoints

@@ -116,10 +116,11 @@ class LocalTokenizer:
         return list(self._tokenizer.encode(prompt))
 
 
-def check_token_ids(prompt: Any, vocab: int | None) -> None:
+def check_token_ids(prompt: Any, vocab: int | None, stream: bool = False) -> None:
     """A client's token-id prompts (`[1, 2]` or `[[1, 2], [3]]`): each prompt's lowest and
     highest id in the vocabulary, as native's engine checks them (`validate_token_ids`), in
-    its words, before anything is admitted or sent."""
+    its words, before anything is admitted or sent. Native's engine checks them while
+    generating, so a streaming request (`stream`) gets the error inside its stream."""
     if not isinstance(prompt, list):
         return
     limit = vocab or MAX_TOKEN_ID
@@ -129,7 +130,8 @@ def check_token_ids(prompt: Any, vocab: int | None) -> None:
         lowest, highest = min(ids), max(ids)
         if lowest < 0 or highest >= limit:
             bad = lowest if lowest < 0 else highest
-            raise GatewayError(400, f"Token id {bad} is out of vocabulary", code=400, kind="BadRequestError")
+            message = f"Token id {bad} is out of vocabulary"
+            raise GatewayError(400, message, code=400, kind="BadRequestError", in_stream=stream)
 
 
 class TokenizationService:
@@ -157,7 +159,7 @@ class TokenizationService:
         if (record := current()) is not None:
             record.rendered(started, "render")
         if request.api is Pipeline.COMPLETIONS:  # (render takes a client's ids as they come)
-            check_token_ids(request.body.get("prompt"), self.vocab)
+            check_token_ids(request.body.get("prompt"), self.vocab, tokenized.stream)
         return tokenized if self.codec is None else self.codec.physical(tokenized)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:

@@ -28,6 +28,10 @@ class Local:
     status: int
     body: bytes
     retry_after: int | None = None  # seconds, for a refusal a client may retry (429)
+    content_type: str = "application/json"
+    # A streaming request's error that native's engine finds while generating: the client
+    # gets it inside the stream (200, the error event, [DONE]), as its API's room shows it
+    in_stream: bool = False
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class Planner:
         try:
             tokenized = await self.rendered(request, raw, request_id)
         except GatewayError as error:
-            return Local(error.status, error.body)
+            return Local(error.status, error.body, in_stream=error.in_stream)
         return await self.placed(tokenized, raw)
 
     async def rendered(self, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:

@@ -226,6 +226,25 @@ def test_out_of_range_token_ids_are_native_400s_before_any_work(gw: SimGateway) 
     assert [r.path for sim in gw.sims for r in sim.received] == []
 
 
+def test_out_of_range_token_ids_of_a_stream_are_its_error_event(gw: SimGateway) -> None:
+    """Native's engine finds them while generating: a streaming request gets 200, the error
+    event and [DONE] (`completion_stream_generator`), and no engine is asked."""
+    for stream in (True, "true"):
+        body = {"model": "tiny", "prompt": [[1, 2], [10**6, 3]], "max_tokens": 3, "stream": stream}
+        response = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
+        assert len(events) == 2 and events[1] == "[DONE]", response.text
+        error = orjson.loads(events[0])["error"]
+        assert error == {
+            "message": "Token id 1000000 is out of vocabulary",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    assert [r.path for sim in gw.sims for r in sim.received] == []
+
+
 def test_stream_as_a_string_is_read_as_render_reads_it(gw: SimGateway) -> None:
     """vLLM accepts `"stream": "true"`; the gateway streams it, as native serving does."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": "true"}

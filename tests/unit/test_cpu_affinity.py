@@ -48,7 +48,9 @@ def _tasks(pid: int) -> list[int]:
 def engine_tree(worker: str) -> Iterator[int]:
     """The API server's pid, once its worker is up (bound to one core, or not: `worker`); in
     this session, in a process group of its own, as `tito up` starts an engine."""
-    api = subprocess.Popen([sys.executable, "-c", API_SERVER, worker], stdout=subprocess.PIPE, text=True, process_group=0)
+    api = subprocess.Popen(
+        [sys.executable, "-c", API_SERVER, worker], stdout=subprocess.PIPE, text=True, process_group=0
+    )
     try:
         assert api.stdout is not None and api.stdout.readline().strip() == "ready"
         yield api.pid

@@ -376,6 +376,13 @@ SPECS: list[Spec] = [
         _completion(ENGLISH, 50, max_tokens=4, stop_token_ids=[OUT_OF_VOCABULARY]),
         (BAD_REQUEST,),
     ),
+    # the engine finds it while generating: a stream's only event, not the status
+    Spec(
+        "bad-prompt-token-ids",
+        "completions",
+        {**_completion(ENGLISH, 51, max_tokens=4), "prompt": [[1, 2, 3], [OUT_OF_VOCABULARY]]},
+        (BAD_REQUEST,),
+    ),
     # `top_logprobs` unset: the sampled tokens' logprobs alone (generate still keeps one candidate)
     Spec("logprobs-no-top", "chat", _constrained_chat(ENGLISH, 13, max_tokens=8, logprobs=True), (CHAT_NO_TOP,)),
 ]
