@@ -122,6 +122,9 @@ class Adapter:
     path: str | None = None  # where the engines read it (block hashes include it)
 
 
+LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})  # the strings pydantic reads as True
+
+
 @dataclass(frozen=True)
 class OpenAIRequest:
     """A client's request as its API room hands it to the pipeline, parsed once (the raw
@@ -154,7 +157,11 @@ class OpenAIRequest:
 
     @property
     def stream(self) -> bool:
-        return self.body.get("stream") is True
+        """As vLLM's request models read it (pydantic's lax bool: `"true"` and 1 stream too)."""
+        value = self.body.get("stream")
+        if isinstance(value, str):
+            return value.lower() in LAX_TRUE
+        return value is True or (type(value) in (int, float) and value == 1)
 
     @property
     def n(self) -> int:

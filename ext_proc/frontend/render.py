@@ -80,8 +80,8 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
     """Render's answer (status and JSON body, from the sidecar or in-process) as an outcome."""
     if status in (400, 422) or (status == 404 and _is_openai_error(body)):
         body = normalize_error_body(status, body)
-        if error_message(body) == EMPTY_PROMPT_RENDER:
-            body = EMPTY_PROMPT_NATIVE
+        if error_message(body) == EMPTY_PROMPT_RENDER:  # native's engine finds it while generating
+            raise RenderRejected(status, "empty prompt", body=EMPTY_PROMPT_NATIVE, in_stream=request.stream)
         raise RenderRejected(status, "render rejected the request", body=body)
     if status in UNSUPPORTED_STATUSES:
         raise RenderUnavailable("unsupported", f"HTTP {status} on {request.endpoint}/render")

@@ -226,22 +226,29 @@ def test_out_of_range_token_ids_are_native_400s_before_any_work(gw: SimGateway) 
     assert [r.path for sim in gw.sims for r in sim.received] == []
 
 
-def test_out_of_range_token_ids_of_a_stream_are_its_error_event(gw: SimGateway) -> None:
-    """Native's engine finds them while generating: a streaming request gets 200, the error
-    event and [DONE] (`completion_stream_generator`), and no engine is asked."""
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([[1, 2], [10**6, 3]], "Token id 1000000 is out of vocabulary"),
+        (["", "x"], "The decoder prompt cannot be empty"),
+        ([[]], "The decoder prompt cannot be empty"),
+    ],
+)
+def test_what_natives_engine_finds_in_a_streams_prompts_is_its_error_event(
+    gw: SimGateway, prompt: list[Any], message: str
+) -> None:
+    """Native's engine checks each prompt while generating: a streaming request gets 200, the
+    error event and [DONE] (`completion_stream_generator`), and no engine is asked."""
     for stream in (True, "true"):
-        body = {"model": "tiny", "prompt": [[1, 2], [10**6, 3]], "max_tokens": 3, "stream": stream}
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": stream}
         response = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
         assert len(events) == 2 and events[1] == "[DONE]", response.text
         error = orjson.loads(events[0])["error"]
-        assert error == {
-            "message": "Token id 1000000 is out of vocabulary",
-            "type": "BadRequestError",
-            "param": None,
-            "code": 400,
-        }
+        assert error == {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        whole = httpx.post(gw.base_url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert whole.status_code == 400 and _error(whole.content)["message"] == message
     assert [r.path for sim in gw.sims for r in sim.received] == []
 
 

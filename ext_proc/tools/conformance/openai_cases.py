@@ -383,6 +383,12 @@ SPECS: list[Spec] = [
         {**_completion(ENGLISH, 51, max_tokens=4), "prompt": [[1, 2, 3], [OUT_OF_VOCABULARY]]},
         (BAD_REQUEST,),
     ),
+    Spec(
+        "empty-prompt",
+        "completions",
+        {**_completion(ENGLISH, 52, max_tokens=4), "prompt": ["", ENGLISH]},
+        (BAD_REQUEST,),
+    ),
     # `top_logprobs` unset: the sampled tokens' logprobs alone (generate still keeps one candidate)
     Spec("logprobs-no-top", "chat", _constrained_chat(ENGLISH, 13, max_tokens=8, logprobs=True), (CHAT_NO_TOP,)),
 ]
