@@ -28,7 +28,8 @@ ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messa
 
 
 def _post(base_url: str, path: str, body: bytes, content_type: str) -> tuple[int, Any]:
-    """The body sent exactly as written (a client library would refuse or fix some of them)."""
+    """The body sent exactly as written (a client library would refuse or fix some of them);
+    a stream's answer as its events, each parsed."""
     url = urlsplit(base_url)
     connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
     try:
@@ -37,7 +38,11 @@ def _post(base_url: str, path: str, body: bytes, content_type: str) -> tuple[int
         connection.putheader("content-length", str(len(body)))
         connection.endheaders(body or None)
         response = connection.getresponse()
-        return response.status, orjson.loads(response.read())
+        raw = response.read()
+        if (response.getheader("content-type") or "").startswith("text/event-stream"):
+            events = [block.removeprefix(b"data: ") for block in raw.split(b"\n\n") if block]
+            return response.status, [event if event == b"[DONE]" else orjson.loads(event) for event in events]
+        return response.status, orjson.loads(raw)
     finally:
         connection.close()
 
@@ -53,7 +58,8 @@ def test_the_edge_refuses_bad_input_as_native_does(stack: RunningStack, route: s
 
 ABSENT = object()  # the field left out
 # A route's required input missing or empty, and token ids out of the vocabulary: native's
-# request model, its chat template, its renderer and its engine's input check each refuse one.
+# request model, its chat template, its renderer and its engine's input check each refuse one
+# (the engine's while generating: a stream's error event, after a 200).
 EMPTY_INPUTS = {
     "/v1/chat/completions": ("messages", [ABSENT, None, "", []]),
     "/v1/completions": ("prompt", [ABSENT, None, "", [], [[]], [""], [1, 99999999], [[1, 2], [3, 99999999]], [5, -1]]),
@@ -68,14 +74,15 @@ EMPTY_INPUTS = {
     [(route, value) for route, (_, values) in EMPTY_INPUTS.items() for value in values],
     ids=lambda v: "absent" if v is ABSENT else str(v),
 )
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_an_empty_or_out_of_range_input_is_refused_as_native_refuses_it(
-    stack: RunningStack, route: str, value: Any
+    stack: RunningStack, route: str, value: Any, stream: bool
 ) -> None:
     field = EMPTY_INPUTS[route][0]
-    body = {"model": "tiny", "max_tokens": 3} | ({} if value is ABSENT else {field: value})
+    body = {"model": "tiny", "max_tokens": 3, "stream": stream} | ({} if value is ABSENT else {field: value})
     raw = orjson.dumps(body)
     native = _post(stack.engine_url, route, raw, JSON)
-    assert native[0] == 400
+    assert native[0] == 400 or (stream and native[1][0].get("error")), native
     assert _post(stack.base_url, route, raw, JSON) == native
 
 
