@@ -17,13 +17,19 @@ import orjson
 
 from ext_proc.errors import GatewayError, error_body, error_message, normalize_error_body
 from ext_proc.frontend.render_http import HttpFailure, RenderHttp
-from ext_proc.protocol import OpenAIRequest, PromptTokens, TokenizedRequest
+from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 UNSUPPORTED_STATUSES = frozenset({404, 405, 415, 501})
 # A prompt that renders to no ids: render's words, and native's for the same prompt (its
 # engine's input check: `vllm/v1/engine/input_processor.py`).
 EMPTY_PROMPT_RENDER = "No token_ids rendered"
 EMPTY_PROMPT_NATIVE = error_body(400, "The decoder prompt cannot be empty", code=400, kind="BadRequestError")
+# Beam search: render refuses it; native's completions route refuses a streamed one in its own
+# words before it renders (`OpenAIServingCompletion._create_completion`)
+BEAM_SEARCH_RENDER = "Beam search is not supported by the render endpoint"
+STREAMED_BEAM_SEARCH_NATIVE = error_body(
+    400, "Streaming is not currently supported with beam search", code=400, kind="BadRequestError"
+)
 
 
 class RenderRejected(GatewayError):
@@ -82,6 +88,8 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
         body = normalize_error_body(status, body)
         if error_message(body) == EMPTY_PROMPT_RENDER:  # native's engine finds it while generating
             raise RenderRejected(status, "empty prompt", body=EMPTY_PROMPT_NATIVE, in_stream=request.stream)
+        if error_message(body) == BEAM_SEARCH_RENDER and request.api is Pipeline.COMPLETIONS and request.stream:
+            body = STREAMED_BEAM_SEARCH_NATIVE
         raise RenderRejected(status, "render rejected the request", body=body)
     if status in UNSUPPORTED_STATUSES:
         raise RenderUnavailable("unsupported", f"HTTP {status} on {request.endpoint}/render")

@@ -131,3 +131,13 @@ def test_a_refused_request_keeps_its_connection_as_native_does(stack: RunningSta
             assert listed.status == 200 and connection.sock is socket, base_url
         finally:
             connection.close()
+
+
+def test_a_streamed_beam_search_completion_is_refused_as_native_refuses_it(stack: RunningStack) -> None:
+    """Native's completions route refuses it before rendering, in its own words (beam search
+    itself is not served yet: docs/apis.md)."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "n": 2, "stream": True, "use_beam_search": True}
+    raw = orjson.dumps(body)
+    native = _post(stack.engine_url, "/v1/completions", raw, JSON)
+    assert native[0] == 400 and "beam search" in native[1]["error"]["message"], native
+    assert _post(stack.base_url, "/v1/completions", raw, JSON) == native
