@@ -116,7 +116,7 @@ class LocalTokenizer:
         return list(self._tokenizer.encode(prompt))
 
 
-def check_token_ids(prompt: Any, vocab: int | None, stream: bool = False) -> None:
+def check_token_ids(prompt: Any, vocab: int | None, stream: bool) -> None:
     """A client's token-id prompts (`[1, 2]` or `[[1, 2], [3]]`): each prompt's lowest and
     highest id in the vocabulary, as native's engine checks them (`validate_token_ids`), in
     its words, before anything is admitted or sent. Native's engine checks them while
