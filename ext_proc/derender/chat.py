@@ -10,6 +10,7 @@ import orjson
 
 from ext_proc.derender.logprobs import (
     chat_logprobs,
+    detokenized,
 )
 from ext_proc.derender.model import DerenderModel, cached_tokens
 from ext_proc.derender.session import Choice, Session, Step, delta_fields, final_text
@@ -67,7 +68,7 @@ class ChatStream(Session):
             logprobs = chat_logprobs(
                 positions, self._client.top_logprobs, bool(self._client.return_tokens_as_token_ids)
             )
-        text = choice.text(step.token_ids, step.finish_reason, step.stop_reason)
+        text = choice.text(step)
         if not text and not step.token_ids and not choice.num_tokens:
             return None
         if choice.parser is not None:
@@ -191,7 +192,7 @@ def chat_response(model: DerenderModel, request: TokenizedRequest, generate: dic
         text = final_text(model, prompt, prompt.sampling_params, output)
         logprobs = None
         if client.logprobs:
-            positions = model.logprobs.positions(output.get("logprobs"), [])
+            positions = model.logprobs.positions(output.get("logprobs"), [], detokenized(prompt.sampling_params))
             logprobs = chat_logprobs(positions, client.top_logprobs, bool(client.return_tokens_as_token_ids))
         parser = model.parser(client)
         suppress = False

@@ -13,6 +13,7 @@ from ext_proc.derender.logprobs import (
     Position,
     Unscored,
     completion_logprobs,
+    detokenized,
     prompt_logprobs_field,
 )
 from ext_proc.derender.model import DerenderModel, cached_tokens
@@ -49,7 +50,7 @@ class CompletionStream(Session):
 
     def _step(self, step: Step) -> dict[str, Any] | None:
         choice = self._choice(step.index, parser=False)
-        text = choice.text(step.token_ids, step.finish_reason, step.stop_reason)
+        text = choice.text(step)
         index = step.index + self._prompt_index * self._n
         echo = self._client.echo and not choice.prompt_shown
         # native: the prompt's ids go with the choice's first output (echo), or its first
@@ -144,7 +145,7 @@ def completion_response(
         text = final_text(model, prompt, prompt.sampling_params, output)
         positions: Sequence[Position | Unscored] | None = None
         if client.logprobs is not None:
-            positions = model.logprobs.positions(output.get("logprobs"), [])
+            positions = model.logprobs.positions(output.get("logprobs"), [], detokenized(prompt.sampling_params))
         if client.echo:
             if positions is not None and prompt_positions is None:  # the engine sent none: 502
                 prompt_positions = scored_prompt(model, prompt, generate.get("prompt_logprobs"))

@@ -29,14 +29,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Position:
-    """One output position as the engine's logprobs processor holds it: the sampled token
-    first, then the candidates (a repeated id keeps its first place, as in the engine's dict)."""
+    """One output position as the engine's logprobs processor holds it: the candidates in its
+    dict's order (the sampled token first; a repeated id keeps its first place), and the token
+    the answer has there: the sampled one, but for beam search, which may keep another."""
 
     candidates: list[Candidate]
-
-    @property
-    def sampled(self) -> Candidate:
-        return self.candidates[0]
+    sampled: Candidate
+    detokenized: bool = True  # the engine decoded them (else: each alone, and no `bytes` for the token)
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,15 @@ class LogprobDecoder:
         self._tokenizer = tokenizer
         self._convert = convert_ids_list_to_tokens
 
-    def positions(self, logprobs: dict[str, Any] | None, context: list[int]) -> list[Position]:
-        """Every entry of a generate choice's `logprobs.content`; `context` is advanced in place."""
+    def positions(
+        self, logprobs: dict[str, Any] | None, context: list[int], detokenized: bool = True
+    ) -> list[Position]:
+        """Every entry of a generate choice's `logprobs.content`; `context` is advanced in place.
+        Not `detokenized` (`sampling_params.detokenize` false, as native's beam search asks):
+        native's API server decodes each candidate alone (`_get_decoded_token`)."""
         out: list[Position] = []
         for entry in (logprobs or {}).get("content") or []:
-            out.append(self._position(entry, context))
+            out.append(self._position(entry, context) if detokenized else self._decoded_alone(entry))
             context.append(int(entry["token_id"]))
             del context[:-CONTEXT_WINDOW]
         return out
@@ -91,17 +94,19 @@ class LogprobDecoder:
         return out
 
     def _position(self, entry: dict[str, Any], context: list[int]) -> Position:
-        sampled = int(entry["token_id"])
-        # dict semantics of the engine: the sampled id first, a repeated id keeps its place
-        seen: dict[int, tuple[float, int | None]] = {sampled: (_clamp(entry.get("logprob")), entry.get("rank"))}
-        for top in entry.get("top_logprobs") or []:
-            seen.setdefault(int(top["token_id"]), (_clamp(top.get("logprob")), top.get("rank")))
+        seen = _candidates(entry)
         ids = list(seen)
         decoded = self._convert(self._tokenizer, ids)
         for i, text in enumerate(decoded):
             if text.endswith("\ufffd"):
                 decoded[i] = self._correct(ids[i], context)
-        return Position([Candidate(t, seen[t][0], decoded[i], seen[t][1]) for i, t in enumerate(ids)])
+        return _at(entry, [Candidate(t, seen[t][0], decoded[i], seen[t][1]) for i, t in enumerate(ids)])
+
+    def _decoded_alone(self, entry: dict[str, Any]) -> Position:
+        seen = _candidates(entry)
+        decode = self._tokenizer.decode
+        candidates = [Candidate(t, logprob, str(decode(t)), rank) for t, (logprob, rank) in seen.items()]
+        return _at(entry, candidates, detokenized=False)
 
     def _correct(self, token_id: int, context: list[int]) -> str:
         """The engine's `_correct_decoded_token`: decode with preceding ids, keep the new part."""
@@ -127,6 +132,32 @@ class LogprobDecoder:
                 common += 1
             return str(full[common:])
         return ""
+
+
+def detokenized(params: dict[str, Any]) -> bool:
+    """Whether the engine decoded the answer's logprob tokens (`positions`)."""
+    return params.get("detokenize") is not False
+
+
+def _candidates(entry: dict[str, Any]) -> dict[int, tuple[float, int | None]]:
+    """A generate entry's candidates in the engine's dict order: its `top_logprobs` (the
+    sampled token first), each id once; the entry's own token first when they lack it."""
+    seen: dict[int, tuple[float, int | None]] = {}
+    for top in entry.get("top_logprobs") or []:
+        seen.setdefault(int(top["token_id"]), (_clamp(top.get("logprob")), top.get("rank")))
+    token = int(entry["token_id"])
+    if token not in seen:
+        seen = {token: (_clamp(entry.get("logprob")), entry.get("rank")), **seen}
+    return seen
+
+
+def _at(entry: dict[str, Any], candidates: list[Candidate], detokenized: bool = True) -> Position:
+    """The position whose answer has the entry's token."""
+    token = int(entry["token_id"])
+    taken = next(c for c in candidates if c.token_id == token)
+    if taken.logprob != _clamp(entry.get("logprob")):  # its own logprob, where a list repeats it otherwise
+        taken = Candidate(token, _clamp(entry.get("logprob")), taken.text, entry.get("rank"))
+    return Position(candidates, taken, detokenized)
 
 
 def _clamp(value: Any) -> float:
@@ -167,7 +198,7 @@ def chat_logprobs(positions: Sequence[Position], top_logprobs: int | None, as_id
             {
                 "token": _token(sampled.token_id, sampled.text, as_ids),
                 "logprob": sampled.logprob,
-                "bytes": _bytes(sampled.text),
+                "bytes": _bytes(sampled.text) if position.detokenized else None,
                 "top_logprobs": tops,
             }
         )

@@ -200,17 +200,19 @@ def per_token(event: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-class SidecarUnlessPerStep:
-    """Sidecar mode: a request whose answer is made per engine step (`OpenAIRequest.per_step`)
-    still derenders in process: vLLM 0.32's completions /derender leaves out the output ids
-    such an answer reads, per step."""
+class SidecarWhereItCan:
+    """Sidecar mode, but for what vLLM 0.32's /derender cannot make, which derenders in
+    process: an answer made per engine step (`OpenAIRequest.per_step`: completions /derender
+    leaves out the output ids it reads), and beam search's (its text is decoded whole, as
+    native's beam search decodes it; /derender only detokenizes ids)."""
 
     def __init__(self, sidecar: Derenderer, in_process: Derenderer) -> None:
         self._sidecar = sidecar
         self._in_process = in_process
 
     def _for(self, request: TokenizedRequest) -> Derenderer:
-        return self._in_process if request.request.per_step else self._sidecar
+        in_process = request.request.per_step or request.request.beam_search
+        return self._in_process if in_process else self._sidecar
 
     def stream(self, request: TokenizedRequest, prompt_index: int = 0) -> StreamSession:
         return self._for(request).stream(request, prompt_index)
@@ -251,7 +253,7 @@ def build_derenderer(
     at start-up, never on a request; the sidecar mode uses it only for its corrections."""
     backend: Derenderer = InProcessDerender(model)
     if config.derender.mode == "sidecar":
-        backend = SidecarUnlessPerStep(SidecarDerender(client, model), backend)
+        backend = SidecarWhereItCan(SidecarDerender(client, model), backend)
     return MeasuredDerender(backend if codec is None else SemanticDerender(backend, codec))
 
 

@@ -10,9 +10,22 @@ from typing import Any
 
 import orjson
 
+from ext_proc.derender.logprobs import detokenized
 from ext_proc.derender.model import DerenderModel, cached_tokens, fingerprinted
 from ext_proc.derender.streaming import sse_event
 from ext_proc.protocol import PromptTokens, TokenizedRequest
+
+
+@dataclass(frozen=True)
+class Step:
+    """One choice's new output in one engine event: one parser step, as natively."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: Any
+    logprobs: dict[str, Any] | None
+    text: str | None = None  # decoded whole already (beam search's answer, as native decodes it)
 
 
 @dataclass
@@ -30,23 +43,14 @@ class Choice:
     text_offset: int = 0  # completions: where the next logprob token starts
     prompt_shown: bool = False  # completions: the prompt (echo) or its ids went out
 
-    def text(self, ids: list[int], finish_reason: str | None, stop_reason: Any) -> str:
+    def text(self, step: Step) -> str:
+        if step.text is not None:
+            return step.text
         # EOS and stop ids end generation in the engine core and are not detokenized;
         # a stop *string* is found (and cut) by the detokenizer itself.
-        stop_terminated = finish_reason == "stop" and not isinstance(stop_reason, str)
-        self.detokenizer.update(ids, stop_terminated)
-        return str(self.detokenizer.get_next_output_text(finish_reason is not None, True))
-
-
-@dataclass(frozen=True)
-class Step:
-    """One choice's new output in one engine event: one parser step, as natively."""
-
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: Any
-    logprobs: dict[str, Any] | None
+        stop_terminated = step.finish_reason == "stop" and not isinstance(step.stop_reason, str)
+        self.detokenizer.update(step.token_ids, stop_terminated)
+        return str(self.detokenizer.get_next_output_text(step.finish_reason is not None, True))
 
 
 def event_steps(event: dict[str, Any]) -> list[Step]:
@@ -57,6 +61,7 @@ def event_steps(event: dict[str, Any]) -> list[Step]:
             c.get("finish_reason"),
             c.get("stop_reason"),
             c.get("logprobs"),
+            c.get("text"),
         )
         for c in event.get("choices") or []
     ]
@@ -100,7 +105,7 @@ class Session:
         return choice
 
     def _logprob_positions(self, choice: Choice, step: Step) -> list[Any]:
-        return self._model.logprobs.positions(step.logprobs, choice.logprob_context)
+        return self._model.logprobs.positions(step.logprobs, choice.logprob_context, detokenized(self._params))
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -198,7 +203,12 @@ def delta_fields(delta: Any) -> dict[str, Any] | None:
 
 
 def final_text(model: DerenderModel, prompt: PromptTokens, params: dict[str, Any], choice: dict[str, Any]) -> str:
+    """A whole answer's choice as text: the detokenizer over all its ids (or its text as given)."""
+    if choice.get("text") is not None:
+        return str(choice["text"])
     detokenizer = model.detokenizer(prompt, params)
     state = Choice(detokenizer, None)
-    state.text(list(choice.get("token_ids") or []), choice.get("finish_reason"), choice.get("stop_reason"))
+    state.text(
+        Step(0, list(choice.get("token_ids") or []), choice.get("finish_reason"), choice.get("stop_reason"), None)
+    )
     return str(detokenizer.get_next_output_text(True, False))
