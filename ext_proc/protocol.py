@@ -174,6 +174,11 @@ class OpenAIRequest:
         return _flag(self.body.get("echo"))
 
     @property
+    def beam_search(self) -> bool:
+        """vLLM's beam search (`use_beam_search`), which the gateway runs itself (`legs/beam.py`)."""
+        return _flag(self.body.get("use_beam_search"))
+
+    @property
     def logprobs(self) -> bool:
         """Output logprobs are asked for (completions: `logprobs` set, 0 included)."""
         value = self.body.get("logprobs")

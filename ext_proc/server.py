@@ -251,6 +251,7 @@ def build_services(
         inflight=first.inflight if first is not None else ByteBudget(config.inflight_bytes),
         triggers=Triggers(planner, http, config.listener.stream_idle_timeout_s),
         codec=codec,
+        tokenizer=model.tokenizer,
         observability=observability,
         capabilities=capabilities,
         membership=membership,

@@ -63,6 +63,7 @@ class Services:
     inflight: ByteBudget
     triggers: Triggers
     codec: TokenCodec | None = None  # token obfuscation (off: None)
+    tokenizer: Any = None  # the engines' tokenizer (derender's; beam search decodes with it)
     capabilities: Capabilities | None = None  # capability negotiation (off: None)
     membership: Membership | None = None  # the engines as they join and leave (build_services sets it)
     tenancy: Tenancy | None = None  # API keys and flows (build_services sets it; shared by every base)

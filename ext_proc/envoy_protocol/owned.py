@@ -36,6 +36,7 @@ class OwnedAnswer:
             config.processor.max_response_bytes,
             services.codec,
             services.triggers,
+            services.tokenizer,
         )
         self._stream = stream
         self._record = record

@@ -11,6 +11,7 @@ Typed outcomes (RFC fault table, "Render Token In" and "Render 请求校验" row
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
@@ -100,6 +101,36 @@ def rendered(request: OpenAIRequest, status: int, body: bytes) -> TokenizedReque
     except orjson.JSONDecodeError as exc:
         raise RenderUnavailable("invalid_response", "render returned invalid JSON") from exc
     return tokenized(request, parsed)
+
+
+def beam_search_refused(request: OpenAIRequest, refusal: RenderRejected) -> bool:
+    """Render refused a chat or completions request only for its beam search, which the
+    gateway runs itself (`legs/beam.py`) on the prompt render gives without it."""
+    return request.beam_search and request.conversion is None and error_message(refusal.body) == BEAM_SEARCH_RENDER
+
+
+def without_beam_search(raw: bytes) -> bytes:
+    """The client's body for render without beam search: no `use_beam_search`, and one
+    choice (`n` is the beam width, which sampling's own checks must not judge: greedy
+    sampling refuses n > 1, native's beam search does not)."""
+    body = orjson.loads(raw)
+    body.pop("use_beam_search", None)
+    body.pop("n", None)
+    return orjson.dumps(body)
+
+
+def beam_searched(tokenized: TokenizedRequest, request: OpenAIRequest) -> TokenizedRequest:
+    """Render's prompts of the request without beam search (`without_beam_search`) for the
+    client's request: `n` beams, asked of the engine without detokenizing (as native's beam
+    search asks: its API server then decodes logprob tokens alone), and the client's body as
+    derender reads it (not the model render validated without them)."""
+    for i, prompt in enumerate(tokenized.prompts):
+        if prompt.generate_request is not None:
+            rendered = prompt.generate_request
+            params = {**rendered["sampling_params"], "n": request.n, "detokenize": False}
+            tokenized.prompts[i] = replace(prompt, generate_request={**rendered, "sampling_params": params})
+    tokenized.request = request
+    return tokenized
 
 
 def answered_on(path: str, status: int, body: bytes) -> tuple[int, bytes]:

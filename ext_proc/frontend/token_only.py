@@ -92,6 +92,18 @@ def generate_body(
     return orjson.dumps(body)
 
 
+def beam_step_body(rendered: dict[str, Any], token_ids: list[int], logprobs: int, temperature: float) -> bytes:
+    """One beam-search step (`legs/beam.py`) for one beam: its ids, one token, whole, with
+    `logprobs` candidates; of the client's sampling fields only the temperature, as native's
+    beam search sends its engine (`BeamSearchOnlineMixin.beam_search`)."""
+    body = {key: rendered[key] for key in ("features", "model") if rendered.get(key) is not None}
+    body["token_ids"] = token_ids
+    body["sampling_params"] = {"max_tokens": 1, "temperature": temperature, "logprobs": logprobs, "detokenize": False}
+    body["stream"] = False
+    body["output_mode"] = "tokens"
+    return orjson.dumps(body)
+
+
 def engine_logprobs(params: dict[str, Any], sampled_beside_k: bool) -> Any:
     """The candidates per position to ask the engine for: the client's k, as native asks.
 

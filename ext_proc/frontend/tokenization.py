@@ -18,7 +18,13 @@ from typing import Any
 
 from ext_proc.errors import GatewayError
 from ext_proc.extras import PROCESSOR, require
-from ext_proc.frontend.render import RenderUnavailable
+from ext_proc.frontend.render import (
+    RenderRejected,
+    RenderUnavailable,
+    beam_search_refused,
+    beam_searched,
+    without_beam_search,
+)
 from ext_proc.frontend.render_pool import RenderPool
 from ext_proc.obfuscation import TokenCodec
 from ext_proc.observability.request import current
@@ -153,7 +159,7 @@ class TokenizationService:
         if self.pool is None:
             return await self._fallback(request, request_id, "render_disabled", started)
         try:
-            tokenized = await self.pool.render(request, raw, request_id)
+            tokenized = await self._render(self.pool, request, raw, request_id)
         except RenderUnavailable as exc:  # every endpoint failed or is skipped (RenderRejected: raised)
             return await self._fallback(request, request_id, exc.reason, started)
         if (record := current()) is not None:
@@ -161,6 +167,15 @@ class TokenizationService:
         if request.api is Pipeline.COMPLETIONS:  # (render takes a client's ids as they come)
             check_token_ids(request.body.get("prompt"), self.vocab, tokenized.stream)
         return tokenized if self.codec is None else self.codec.physical(tokenized)
+
+    @staticmethod
+    async def _render(pool: RenderPool, request: OpenAIRequest, raw: bytes, request_id: str) -> TokenizedRequest:
+        try:
+            return await pool.render(request, raw, request_id)
+        except RenderRejected as refusal:
+            if not beam_search_refused(request, refusal):
+                raise
+        return beam_searched(await pool.render(request, without_beam_search(raw), request_id), request)
 
     async def _fallback(self, request: OpenAIRequest, request_id: str, reason: str, started: float) -> TokenizedRequest:
         self.fallbacks[reason] += 1

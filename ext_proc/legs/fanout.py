@@ -26,6 +26,7 @@ import orjson
 from ext_proc.derender.model import fingerprinted
 from ext_proc.derender.streaming import DONE_EVENT, sse_event
 from ext_proc.errors import GatewayError
+from ext_proc.legs.beam import BeamSearch
 from ext_proc.legs.relay import OwnedContext, PromptStream
 from ext_proc.observability.request import current
 from ext_proc.planning.plan import Owned
@@ -47,11 +48,14 @@ class FanOut:
         self._plan = plan
         self._served_name = served_name
         merged = len(plan.legs) > 1
-        self.prompts = [PromptStream(ctx, plan, i, merged) for i in range(len(plan.legs))]
+        self.prompts: list[PromptStream | BeamSearch] = [
+            BeamSearch(ctx, plan, i) if plan.tokenized.request.beam_search else PromptStream(ctx, plan, i, merged)
+            for i in range(len(plan.legs))
+        ]
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(queue_depth)
         self.queue_depth_max = 0
         self._producers: list[asyncio.Task[None]] = []
-        self._first: PromptStream | None = None  # the prompt whose output came first
+        self._first: PromptStream | BeamSearch | None = None  # the prompt whose output came first
         self.interrupted: GatewayError | None = None  # why the gateway ended the stream, if it did
 
     async def establish(self) -> None:
@@ -103,7 +107,7 @@ class FanOut:
                 yield item
         yield self._usage_chunk() + DONE_EVENT
 
-    async def _produce(self, prompt: PromptStream) -> None:
+    async def _produce(self, prompt: PromptStream | BeamSearch) -> None:
         async def put(item: bytes) -> None:
             self._first = self._first or prompt
             await self._put(item)

@@ -53,6 +53,7 @@ class OwnedContext:
     max_response_bytes: int
     codec: TokenCodec | None = None  # token obfuscation: a relay's prompt in physical ids too
     triggers: Triggers | None = None  # Trigger decode legs wait here for their engine's callback
+    tokenizer: Any = None  # the engines' (beam search ends beams on its EOS and decodes them with it)
 
 
 class EngineFailure(Exception):

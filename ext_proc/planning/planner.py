@@ -249,7 +249,7 @@ class Planner:
         if batch and trigger_batch(offer):  # RFC: Trigger batches stay on the native path
             if self._config.obfuscation.enable:
                 raise GatewayError(501, TRIGGER_BATCH_OBFUSCATED, code="unsupported_with_obfuscation")
-        elif tokenized.rewritable and (batch or self._relays(tokenized, offer)):
+        elif tokenized.rewritable and (batch or tokenized.request.beam_search or self._relays(tokenized, offer)):
             owned = self._owned(tokenized, now)
             if owned is not None:
                 return owned
@@ -266,6 +266,7 @@ class Planner:
             return TokenOnly(_kept(tokenized), legs, kv_params_required=self.kv_params_required)
         if (
             batch  # only a Trigger pool, or an instance without token-only generate, serves a batch natively
+            or tokenized.request.beam_search  # likewise: that engine runs the search itself
             or not tokenized.rewritable
             or not self.scheduler.supports_token_only(leg.hosts[0])
         ):

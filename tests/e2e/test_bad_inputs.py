@@ -135,7 +135,7 @@ def test_a_refused_request_keeps_its_connection_as_native_does(stack: RunningSta
 
 def test_a_streamed_beam_search_completion_is_refused_as_native_refuses_it(stack: RunningStack) -> None:
     """Native's completions route refuses it before rendering, in its own words (beam search
-    itself is not served yet: docs/apis.md)."""
+    itself is served: the conformance cases `beam-search*`)."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "n": 2, "stream": True, "use_beam_search": True}
     raw = orjson.dumps(body)
     native = _post(stack.engine_url, "/v1/completions", raw, JSON)

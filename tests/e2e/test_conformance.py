@@ -44,7 +44,8 @@ def _chunk(delta: dict[str, Any], chunk_id: str = "chatcmpl-1", **choice: Any) -
 def test_case_names_are_unique_and_every_spec_runs_in_its_modes() -> None:
     names = [case.name for case in CASES]
     assert len(names) == len(set(names)) == sum(len(spec.streams) for spec in SPECS)
-    assert sum(len(spec.streams) == 2 for spec in SPECS) > len(SPECS) - 4  # streaming and not, but for a few
+    # streaming and not, but for a few (prompt logprobs; completions with beam search, which native never streams)
+    assert sum(len(spec.streams) == 2 for spec in SPECS) > len(SPECS) - 8
 
 
 def test_errors_are_answers_compared_by_status_and_error_object() -> None:

@@ -206,6 +206,55 @@ def test_a_client_leaving_a_relayed_stream_closes_its_engine_stream(gw: SimGatew
     assert _wait_cut(gw, 1) < 1.0
 
 
+# -- beam search -----------------------------------------------------------------------------
+
+BEAM = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 3,
+    "n": 2,
+    "use_beam_search": True,
+    "seed": 3,  # (native's engine steps carry none of these)
+    "stop": ["never"],
+}
+
+
+def test_beam_search_is_one_token_steps_per_beam_on_the_chosen_engine(gw: SimGateway) -> None:
+    response = httpx.post(gw.base_url + "/v1/chat/completions", json=BEAM, timeout=30)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 6  # two beams of 3: the simulator's ids are never EOS
+    calls = _generate_calls(gw)
+    assert len({host for host, _ in calls}) == 1  # the placed instance holds every beam's prefix
+    lengths = sorted(len(call["token_ids"]) for _, call in calls)
+    prompt = lengths[0]
+    assert lengths == [prompt, prompt + 1, prompt + 1, prompt + 2, prompt + 2]  # the prompt, then 2 beams
+    for _, call in calls:  # 2 × n candidates and one more, sampled at temperature 1
+        assert call["sampling_params"] == {"max_tokens": 1, "temperature": 1.0, "logprobs": 5, "detokenize": False}
+        assert call["stream"] is False
+
+
+def test_a_failed_beam_step_is_the_clients_error_and_gives_its_lease_back(gw: SimGateway) -> None:
+    for sim in gw.sims:
+        sim.fault = Fault("status", status=500)
+    response = httpx.post(gw.base_url + "/v1/chat/completions", json=BEAM, timeout=30)
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["message"] == "simulated engine failure 500"
+
+
+def test_a_client_leaving_a_beam_search_stops_its_steps(gw: SimGateway) -> None:
+    for sim in gw.sims:
+        sim.ttft_s = 0.2
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.base_url + "/v1/chat/completions", json={**BEAM, "max_tokens": 40}, timeout=0.5)
+    time.sleep(0.5)
+    steps = len(_generate_calls(gw))
+    time.sleep(1.0)
+    assert len(_generate_calls(gw)) == steps <= 5  # 40 steps of 2 beams would be 79
+    assert not gw.state()["exchanges"]
+
+
 # -- engine-side coalescing ------------------------------------------------------------------
 
 

@@ -389,6 +389,40 @@ SPECS: list[Spec] = [
         {**_completion(ENGLISH, 52, max_tokens=4), "prompt": ["", ENGLISH]},
         (BAD_REQUEST,),
     ),
+    # Beam search (`legs/beam.py`): native's API server and the gateway each run vLLM's search
+    # over one-token engine steps; sampling only picks a candidate the search never keeps.
+    Spec(
+        "beam-search", "chat", _constrained_chat(ENGLISH, 60, max_tokens=8, n=2, use_beam_search=True), (TWO_CHOICES,)
+    ),
+    Spec("beam-search-reasoning", "chat", _chat(ENGLISH, 61, max_tokens=6, use_beam_search=True), (HAS_REASONING,)),
+    Spec(  # native refuses a streamed one (tests/e2e/test_bad_inputs.py)
+        "beam-search",
+        "completions",
+        _completion(ENGLISH, 62, max_tokens=8, n=3, use_beam_search=True, length_penalty=0.5),
+        (HAS_CONTENT,),
+        streams=(False,),
+    ),
+    Spec(  # greedy: the candidates native shows first are then no random sample's
+        "beam-search-logprobs",
+        "chat",
+        _constrained_chat(ENGLISH, 64, max_tokens=6, n=2, use_beam_search=True, temperature=0, logprobs=True)
+        | {"top_logprobs": 2},
+        (CHAT_TOP2,),
+    ),
+    Spec(
+        "beam-search-logprobs",
+        "completions",
+        _completion(CJK_EMOJI, 65, max_tokens=6, n=2, use_beam_search=True, temperature=0, logprobs=2),
+        (COMPLETION_TOP2,),
+        streams=(False,),
+    ),
+    Spec(
+        "beam-search-batch",
+        "completions",
+        {**_completion(ENGLISH, 63, max_tokens=5, n=2, use_beam_search=True), "prompt": [ENGLISH, CJK_EMOJI]},
+        (HAS_CONTENT,),
+        streams=(False,),
+    ),
     # `top_logprobs` unset: the sampled tokens' logprobs alone (generate still keeps one candidate)
     Spec("logprobs-no-top", "chat", _constrained_chat(ENGLISH, 13, max_tokens=8, logprobs=True), (CHAT_NO_TOP,)),
 ]
