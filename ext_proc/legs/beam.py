@@ -22,7 +22,7 @@ import orjson
 from ext_proc.derender.logprobs import NAN_LOGPROB
 from ext_proc.derender.pipeline import whole_events
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.token_only import GREEDY_BELOW, MAX_LOGPROBS, beam_step_body, generate_response
+from ext_proc.frontend.token_only import MAX_LOGPROBS, beam_step_body, generate_response
 from ext_proc.legs.generate import open_generate, read_whole
 from ext_proc.legs.relay import OwnedContext, Put
 from ext_proc.observability.request import current
@@ -138,14 +138,16 @@ class BeamSearch:
     async def _steps(
         self, prompt: dict[str, Any], beams: list[Beam], candidates: int, temperature: float
     ) -> list[tuple[str | None, Position]]:
-        """Each beam's next-token candidates (and its finish reason), from one engine step each."""
-        # Sampling can put the sampled token outside the top k, and generate then cuts the
-        # k-th candidate to show it: one more is asked and dropped where native has none.
-        sampled_beside_k = temperature >= GREEDY_BELOW and candidates < MAX_LOGPROBS
-        asked = candidates + 1 if sampled_beside_k else candidates
+        """Each beam's next-token candidates (and its finish reason), from one engine step each.
+
+        Asked for exactly native's k: the engine's `topk` orders tied candidates by k, and ties
+        (common in bf16) then fall as native's. Where sampling put the sampled token outside
+        the top k, generate cuts the k-th candidate to show it (native keeps k + 1); that one
+        never outranks the beam's k - 1 better ones, unless the beam width is 1 and the best
+        of them is EOS."""
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._step(prompt, beam.tokens, asked, temperature)) for beam in beams]
-        return [_candidates(task.result(), candidates) for task in tasks]
+            tasks = [group.create_task(self._step(prompt, beam.tokens, candidates, temperature)) for beam in beams]
+        return [_candidates(task.result()) for task in tasks]
 
     async def _step(self, prompt: dict[str, Any], ids: list[int], logprobs: int, temperature: float) -> dict[str, Any]:
         leg = self._leg
@@ -246,17 +248,14 @@ class BeamSearch:
         self._end(served=False)
 
 
-def _candidates(choice: dict[str, Any], k: int) -> tuple[str | None, Position]:
-    """A step's finish reason and its candidates as native's dict holds them: the sampled token
-    first, then the top `k` in rank order (the (k+1)-th, asked for in case the sampled token
-    ranks outside them, dropped unless it is the sampled one)."""
+def _candidates(choice: dict[str, Any]) -> tuple[str | None, Position]:
+    """A step's finish reason and its candidates as the engine's dict holds them: the sampled
+    token first, then the top k in rank order."""
     content = (choice.get("logprobs") or {}).get("content") or []
     position: Position = []
     if content:
         entry = content[0]
-        for i, top in enumerate(entry.get("top_logprobs") or [entry]):
-            if i == 0 or (top.get("rank") or 0) <= k:
-                position.append((int(top["token_id"]), float(top["logprob"])))
+        position = [(int(top["token_id"]), float(top["logprob"])) for top in entry.get("top_logprobs") or [entry]]
     return choice.get("finish_reason"), position
 
 

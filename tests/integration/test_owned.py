@@ -230,8 +230,8 @@ def test_beam_search_is_one_token_steps_per_beam_on_the_chosen_engine(gw: SimGat
     lengths = sorted(len(call["token_ids"]) for _, call in calls)
     prompt = lengths[0]
     assert lengths == [prompt, prompt + 1, prompt + 1, prompt + 2, prompt + 2]  # the prompt, then 2 beams
-    for _, call in calls:  # 2 × n candidates and one more, sampled at temperature 1
-        assert call["sampling_params"] == {"max_tokens": 1, "temperature": 1.0, "logprobs": 5, "detokenize": False}
+    for _, call in calls:  # 2 × n candidates; the request's temperature, nothing else of it
+        assert call["sampling_params"] == {"max_tokens": 1, "temperature": 1.0, "logprobs": 4, "detokenize": False}
         assert call["stream"] is False
 
 

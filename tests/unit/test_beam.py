@@ -9,18 +9,14 @@ import pytest
 from ext_proc.legs.beam import Beam, _candidates, best, score
 
 
-def test_a_step_keeps_the_sampled_token_and_the_top_k_as_natives_dict_holds_them() -> None:
-    # asked for k + 1 = 5: the sampled token (rank 3) first, then ranks 1..5 without it
-    tops = [(7, -1.2, 3), (1, -0.5, 1), (2, -0.9, 2), (4, -1.5, 4), (5, -1.9, 5)]
+def test_a_step_offers_the_engines_candidates_in_its_order() -> None:
+    tops = [(7, -1.2, 3), (1, -0.5, 1), (2, -0.9, 2), (4, -1.5, 4)]  # sampled (rank 3) first
     choice = {"finish_reason": "length", "logprobs": {"content": [_entry(tops)]}}
-    assert _candidates(choice, 4) == ("length", [(7, -1.2), (1, -0.5), (2, -0.9), (4, -1.5)])
-    # sampled outside the top k + 1: generate cut the (k+1)-th itself, all are kept
-    outside = [(9, -4.0, 9), (1, -0.5, 1), (2, -0.9, 2), (3, -1.0, 3), (4, -1.5, 4)]
-    assert _candidates({"logprobs": {"content": [_entry(outside)]}}, 4)[1] == [(t, lp) for t, lp, _ in outside]
+    assert _candidates(choice) == ("length", [(7, -1.2), (1, -0.5), (2, -0.9), (4, -1.5)])
 
 
 def test_a_step_without_logprobs_offers_no_candidate() -> None:
-    assert _candidates({"finish_reason": "abort", "logprobs": None}, 4) == ("abort", [])
+    assert _candidates({"finish_reason": "abort", "logprobs": None}) == ("abort", [])
 
 
 def test_the_best_candidates_are_chosen_best_first_as_numpy_chooses_them() -> None:
