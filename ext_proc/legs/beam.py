@@ -60,6 +60,60 @@ def best(candidates: list[tuple[float, int, Beam, Position]], width: int) -> lis
     return [int(i) for i in top[np.argsort(-logprobs[top])]]
 
 
+@dataclass(frozen=True)
+class Search:
+    """What of a request the search uses (native's `BeamSearchParams`), and its rules."""
+
+    width: int  # the beams kept: the request's n
+    eos: int | None  # as the engines see it
+    ignore_eos: bool
+    keep_eos: bool  # `include_stop_str_in_output`: a completed beam keeps its EOS
+    temperature: float
+    length_penalty: float
+
+    @classmethod
+    def of(cls, params: dict[str, Any], body: dict[str, Any], width: int, eos: int | None) -> Search:
+        """From render's sampling params and the client's body (`length_penalty` is no
+        sampling param)."""
+        temperature, penalty = params.get("temperature"), body.get("length_penalty")
+        return cls(
+            width,
+            eos,
+            bool(params.get("ignore_eos")),
+            bool(params.get("include_stop_str_in_output")),
+            1.0 if temperature is None else float(temperature),
+            1.0 if penalty is None else float(penalty),
+        )
+
+    def advance(self, beams: list[Beam], steps: list[tuple[str | None, Position]], completed: list[Beam]) -> list[Beam]:
+        """The beams after one step (each beam's finish reason and candidates): an EOS candidate
+        completes its beam (into `completed`), the `width` best others live on. An aborted
+        step ends the search: every live beam ends as aborted (none is returned)."""
+        if any(finish == "abort" for finish, _ in steps):
+            for beam in beams:
+                beam.finish_reason = "abort"
+            completed.extend(beams)
+            return []
+        candidates: list[tuple[float, int, Beam, Position]] = []
+        for beam, (_, position) in zip(beams, steps, strict=True):
+            for token_id, logprob in position:
+                cum = beam.cum_logprob + logprob
+                if token_id == self.eos and not self.ignore_eos:
+                    tokens = [*beam.tokens, token_id] if self.keep_eos else beam.tokens
+                    completed.append(Beam(tokens, cum, [*beam.positions, position], "stop", token_id))
+                else:
+                    candidates.append((cum, token_id, beam, position))
+        return [
+            Beam([*beam.tokens, token_id], cum, [*beam.positions, position])
+            for cum, token_id, beam, position in (candidates[i] for i in best(candidates, self.width))
+        ]
+
+    def best(self, beams: list[Beam]) -> list[Beam]:
+        """The answer's beams: the `width` best by length-penalized score (a stable sort, as
+        native's: completed beams first in the order they completed, then the live ones)."""
+        return sorted(beams, key=lambda beam: score(beam, self.eos, self.length_penalty), reverse=True)[: self.width]
+
+
 class BeamSearch:
     """One prompt's beam search: the fan-out's prompt stream for a `use_beam_search` request
     (`legs/fanout.py`): `open` runs the whole search, `whole` or `run` answers it."""
@@ -88,45 +142,21 @@ class BeamSearch:
 
     async def open(self) -> None:
         """The whole search (GatewayError: an engine refused a step, or none answered)."""
-        leg, tokenized = self._leg, self._plan.tokenized
+        leg = self._leg
         prompt = leg.prompt.engine_request or leg.prompt.generate_request or {}
         params = prompt.get("sampling_params") or {}
-        width = tokenized.n
-        eos = self._eos()
-        ignore_eos = bool(params.get("ignore_eos"))
-        keep_eos = bool(params.get("include_stop_str_in_output"))
-        temperature = params.get("temperature")
-        temperature = 1.0 if temperature is None else float(temperature)
-        penalty = tokenized.request.body.get("length_penalty")
-        length_penalty = 1.0 if penalty is None else float(penalty)
-        prompt_ids = list(leg.prompt.engine_ids)
+        search = Search.of(params, self._plan.tokenized.request.body, self._plan.tokenized.n, self._eos())
         if self._record is not None:
             self._trace = self._record.leg(leg.lease_id, leg.hosts, "owned")
-        beams, completed = [Beam(prompt_ids)], []
+        prompt_ids = list(leg.prompt.engine_ids)
+        beams, completed = [Beam(prompt_ids)], list[Beam]()
         for _ in range(leg.max_tokens):
-            steps = await self._steps(prompt, beams, 2 * width, temperature)
-            if any(finish == "abort" for finish, _ in steps):
-                for beam in beams:
-                    beam.finish_reason = "abort"
-                break
-            candidates: list[tuple[float, int, Beam, Position]] = []
-            for beam, (_, position) in zip(beams, steps, strict=True):
-                for token_id, logprob in position:
-                    cum = beam.cum_logprob + logprob
-                    if token_id == eos and not ignore_eos:
-                        tokens = beam.tokens + [token_id] if keep_eos else beam.tokens
-                        completed.append(Beam(tokens, cum, [*beam.positions, position], "stop", token_id))
-                    else:
-                        candidates.append((cum, token_id, beam, position))
-            beams = [
-                Beam([*beam.tokens, token_id], cum, [*beam.positions, position])
-                for cum, token_id, beam, position in (candidates[i] for i in best(candidates, width))
-            ]
+            steps = await self._steps(prompt, beams, 2 * search.width, search.temperature)
+            beams = search.advance(beams, steps, completed)
             if not beams:
                 break
         completed.extend(beams)
-        ranked = sorted(completed, key=lambda beam: score(beam, eos, length_penalty), reverse=True)[:width]
-        self._answer = self._whole(ranked, len(prompt_ids), params, eos)
+        self._answer = self._whole(search.best(completed), len(prompt_ids), params, search.eos)
 
     def _eos(self) -> int | None:
         """The model's EOS as the engines see it."""

@@ -31,7 +31,8 @@ from tests.conftest import RunningStack, free_port, gateway_config, start_real_g
 SECRET = "correct horse battery staple q7zx"
 # The conformance cases whose feature shows greedily: chat and completions, tool calls forced
 # by structured outputs, stop strings, logit_bias, logprobs with top logprobs (by text and by
-# id), echoed and prompt logprobs, JSON and regex outputs, CJK and emoji, two choices, usage.
+# id), echoed and prompt logprobs, JSON and regex outputs, CJK and emoji, two choices, usage,
+# beam search (EOS and the steps' candidates in physical ids, the beams' text in semantic ones).
 GREEDY = {
     "content",
     "reasoning-content",
@@ -48,6 +49,7 @@ GREEDY = {
     "usage",
     "echo-logprobs",
     "prompt-logprobs",
+    "beam-search-logprobs",
 }
 CASES = [
     Case(replace(spec, body={**spec.body, "temperature": 0.0}), stream)

@@ -162,6 +162,7 @@ TOKEN_PROMPT = [686, 762, 18, 278, 271]  # the tiny model's ids of "Hello world,
 # Chat's `echo` repeats the last message when it has the answer's role: a continued answer.
 CONTINUED = [{"role": "user", "content": ENGLISH}, {"role": "assistant", "content": "Once upon a time"}]
 OUT_OF_VOCABULARY = 999_999  # an id no tokenizer of a test model has: the engine's 400
+BEAM = {"use_beam_search": True, "temperature": 0.0}
 
 
 SPECS: list[Spec] = [
@@ -390,36 +391,35 @@ SPECS: list[Spec] = [
         (BAD_REQUEST,),
     ),
     # Beam search (`legs/beam.py`): native's API server and the gateway each run vLLM's search
-    # over one-token engine steps; sampling only picks a candidate the search never keeps.
-    Spec(
-        "beam-search", "chat", _constrained_chat(ENGLISH, 60, max_tokens=8, n=2, use_beam_search=True), (TWO_CHOICES,)
-    ),
-    Spec("beam-search-reasoning", "chat", _chat(ENGLISH, 61, max_tokens=6, use_beam_search=True), (HAS_REASONING,)),
+    # over one-token engine steps. Greedy: each step's candidates are then the top 2n alone
+    # (sampled, a step also offers its random sample, and a sampled EOS completes a beam:
+    # native's own answer then varies from run to run).
+    Spec("beam-search", "chat", _constrained_chat(ENGLISH, 60, max_tokens=8, **BEAM, n=2), (TWO_CHOICES,)),
+    Spec("beam-search-reasoning", "chat", _chat(ENGLISH, 61, max_tokens=6, **BEAM), (HAS_REASONING,)),
     Spec(  # native refuses a streamed one (tests/e2e/test_bad_inputs.py)
         "beam-search",
         "completions",
-        _completion(ENGLISH, 62, max_tokens=8, n=3, use_beam_search=True, length_penalty=0.5),
+        _completion(ENGLISH, 62, max_tokens=8, **BEAM, n=3, length_penalty=0.5),
         (HAS_CONTENT,),
         streams=(False,),
     ),
-    Spec(  # greedy: the candidates native shows first are then no random sample's
+    Spec(
         "beam-search-logprobs",
         "chat",
-        _constrained_chat(ENGLISH, 64, max_tokens=6, n=2, use_beam_search=True, temperature=0, logprobs=True)
-        | {"top_logprobs": 2},
+        _constrained_chat(ENGLISH, 64, max_tokens=6, **BEAM, n=2, logprobs=True) | {"top_logprobs": 2},
         (CHAT_TOP2,),
     ),
     Spec(
         "beam-search-logprobs",
         "completions",
-        _completion(CJK_EMOJI, 65, max_tokens=6, n=2, use_beam_search=True, temperature=0, logprobs=2),
+        _completion(CJK_EMOJI, 65, max_tokens=6, **BEAM, n=2, logprobs=2),
         (COMPLETION_TOP2,),
         streams=(False,),
     ),
     Spec(
         "beam-search-batch",
         "completions",
-        {**_completion(ENGLISH, 63, max_tokens=5, n=2, use_beam_search=True), "prompt": [ENGLISH, CJK_EMOJI]},
+        {**_completion(ENGLISH, 63, max_tokens=5, **BEAM, n=2), "prompt": [ENGLISH, CJK_EMOJI]},
         (HAS_CONTENT,),
         streams=(False,),
     ),
