@@ -22,14 +22,13 @@ import orjson
 from ext_proc.derender.logprobs import NAN_LOGPROB
 from ext_proc.derender.pipeline import whole_events
 from ext_proc.errors import GatewayError
-from ext_proc.frontend.token_only import MAX_LOGPROBS, beam_step_body, generate_response
+from ext_proc.frontend.token_only import beam_step_body, generate_response
 from ext_proc.legs.generate import open_generate, read_whole
 from ext_proc.legs.relay import OwnedContext, Put
 from ext_proc.observability.request import current
 from ext_proc.planning.plan import Owned
 
 Position = list[tuple[int, float]]  # a step's candidates (id, logprob), in the engine's order
-MAX_CANDIDATES = 2 * MAX_LOGPROBS + 1  # more than any step holds
 
 
 @dataclass
@@ -203,6 +202,8 @@ class BeamSearch:
     def _whole(self, beams: list[Beam], prompt_length: int, params: dict[str, Any], eos: int | None) -> dict[str, Any]:
         """The beams as one whole generate answer, in the engine's ids, each with its text."""
         choices = []
+        k = params.get("logprobs")
+        logprobs, shown = k is not None, None if k is None else self._shown(int(k))
         for i, beam in enumerate(beams):
             choice: dict[str, Any] = {
                 "index": i,
@@ -211,7 +212,7 @@ class BeamSearch:
                 "stop_reason": beam.stop_reason,
                 "text": self._text(beam.tokens[prompt_length:], eos, params),
             }
-            if (shown := self._shown(params.get("logprobs"))) is not None:
+            if logprobs:
                 # (a completing EOS step has candidates but, unless kept, no token)
                 pairs = zip(choice["token_ids"], beam.positions, strict=False)
                 choice["logprobs"] = {"content": [_content(token, position, shown) for token, position in pairs]}
@@ -225,14 +226,12 @@ class BeamSearch:
         self.completion_tokens = completion
         return {"request_id": self._leg.lease_id, "choices": choices, "usage": usage}
 
-    def _shown(self, k: Any) -> int | None:
-        """How many of a step's candidates the client sees (None: no logprobs asked): the
-        first k (chat), or k + 1 (completions), in native's dict order; -1: all."""
-        if k is None:
-            return None
+    def _shown(self, k: int) -> int | None:
+        """How many of a step's candidates the client sees of `logprobs` k: the first k
+        (chat), or k + 1 (completions), in native's dict order; -1 (None): all."""
         if k == -1:
-            return MAX_CANDIDATES
-        return int(k) + 1 if self._plan.tokenized.shows_sampled_beside_k else int(k)
+            return None
+        return k + 1 if self._plan.tokenized.shows_sampled_beside_k else k
 
     def _text(self, ids: list[int], eos: int | None, params: dict[str, Any]) -> str:
         """Native's text of a beam: its ids decoded at once, but for a final EOS (never
@@ -289,7 +288,7 @@ def _candidates(choice: dict[str, Any]) -> tuple[str | None, Position]:
     return choice.get("finish_reason"), position
 
 
-def _content(token_id: int, position: Position, shown: int) -> dict[str, Any]:
+def _content(token_id: int, position: Position, shown: int | None) -> dict[str, Any]:
     """A beam's token as a generate logprobs entry: its own logprob, and the step's candidates
     the client sees, unranked (derender shows them as they are)."""
     return {
