@@ -12,7 +12,7 @@ from ext_proc.derender.logprobs import (
     LogprobDecoder,
     prompt_logprobs_field,
 )
-from ext_proc.derender.parser_shapes import share_drop_info
+from ext_proc.derender.parser_shapes import share_parser_engines
 from ext_proc.extras import PROCESSOR, require
 from ext_proc.protocol import Pipeline, PromptTokens, TokenizedRequest
 
@@ -33,7 +33,7 @@ class DerenderModel:
         self.chat_template = config.chat_template
         self.enable_auto_tools = config.enable_auto_tool_choice
         self.tokenizer = get_tokenizer(config.path)
-        share_drop_info(self.tokenizer)  # its parsers then build their special-token lexer once
+        share_parser_engines(self.tokenizer)  # its parsers then derive what the tokenizer alone gives once
         self.parser_cls = ParserManager.get_parser(
             tool_parser_name=config.tool_call_parser,
             reasoning_parser_name=config.reasoning_parser,

@@ -1,6 +1,7 @@
-"""A derender model's parsers share their engines' special-token lexer (`parser_shapes.py`):
-clients get byte for byte what parsers built entirely by vLLM's own code send, and sessions
-running side by side share no state but that read-only lexer."""
+"""A derender model's parser engines start from a prototype per config (`parser_shapes.py`):
+clients get byte for byte what parsers built entirely by vLLM's own code send, an engine so
+made has the fields vLLM's own `__init__` gives it, and sessions running side by side share
+no state but the prototype's read-only parts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from ext_proc.derender.parser_shapes import SharedDropInfo
+from ext_proc.derender import parser_shapes
+from ext_proc.derender.parser_shapes import SharedEngines
 from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 TOOLS = [
@@ -39,9 +41,9 @@ def model(derender_model: Any) -> Any:
 
 @pytest.fixture
 def engine() -> Any:
-    from vllm.parser.engine import streaming_parser_engine
+    from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
 
-    return streaming_parser_engine
+    return StreamingParserEngine
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +91,10 @@ def _stream(model: Any, request: TokenizedRequest, events: list[dict[str, Any]])
 
 
 def _as_vllm_builds(engine: Any, monkeypatch: pytest.MonkeyPatch, run: Run) -> list[bytes]:
-    """What `run` sends when every parser engine builds its own drop info (vLLM's own code)."""
+    """What `run` sends when every parser engine is made by vLLM's own `__init__`."""
+    assert parser_shapes._shared is not None
     with monkeypatch.context() as m:
-        m.setattr(engine, "_build_drop_info", engine._build_drop_info.build)
+        m.setattr(engine, "__init__", parser_shapes._shared.init)
         m.setattr("vllm.renderers.chat_utils.random_uuid", _ids_from_zero())
         return run()
 
@@ -115,7 +118,7 @@ def _parsers(session: Any) -> list[Any]:
 
 
 def _engine_of(parser: Any) -> Any:
-    """The streaming engine inside the qwen3 reasoning parser (the one with the drop info)."""
+    """The streaming engine inside the qwen3 reasoning parser."""
     return parser.reasoning_parser._parser_engine._engine
 
 
@@ -123,7 +126,7 @@ def test_the_tiny_model_has_special_tokens_to_drop(model: Any, engine: Any) -> N
     """Else the cases below would not reach the shared lexer at all."""
     from ext_proc.derender.in_process import stream_session
 
-    assert isinstance(engine._build_drop_info, SharedDropInfo)
+    assert engine.__init__ is parser_shapes._from_prototype
     session = stream_session(model, _request(model, {}))
     assert _engine_of(_parsers(session)[0])._has_drops
 
@@ -209,23 +212,49 @@ def test_a_whole_answer_is_byte_identical(model: Any, engine: Any, monkeypatch: 
     _same_as_vllm(engine, monkeypatch, lambda: [derender_whole(model, request, generate)])
 
 
-class _Config:
-    """Like vLLM's `ParserEngineConfig`: frozen but holding dicts, so it has no hash."""
+def _fields(engine: Any) -> dict[str, Any]:
+    """An engine's fields, its scanner's, lexer's and lexer shape's by value."""
+    fields = dict(vars(engine))
+    for part in ("_scanner", "_lexer"):
+        fields[part] = dict(vars(fields[part]))
+    shape = fields["_lexer"]["_shape"]
+    fields["_lexer"]["_shape"] = {name: getattr(shape, name) for name in type(shape).__slots__}
+    return fields
 
-    __hash__ = None  # type: ignore[assignment]
+
+@pytest.mark.parametrize("body", [{}, NO_THINKING, {"tools": TOOLS}], ids=["thinking", "no-thinking", "tools"])
+def test_an_engine_from_the_prototype_has_the_fields_vllm_gives_it(
+    model: Any, engine: Any, body: dict[str, Any]
+) -> None:
+    from ext_proc.derender.in_process import stream_session
+
+    made = _engine_of(_parsers(stream_session(model, _request(model, body)))[0])
+    assert parser_shapes._shared is not None
+    own = engine.__new__(engine)
+    parser_shapes._shared.init(own, made.config, model.tokenizer, vocab=model.tokenizer.get_vocab())
+    assert _fields(made) == _fields(own)
 
 
-def test_drop_info_is_built_once_per_config_for_a_registered_tokenizer() -> None:
-    built: list[tuple[Any, Any]] = []
+def test_vllm_makes_one_prototype_per_config_for_a_registered_tokenizer(model: Any, engine: Any) -> None:
+    from ext_proc.derender.in_process import stream_session
 
-    def build(config: Any, tokenizer: Any) -> int:
-        built.append((config, tokenizer))
-        return len(built)
+    assert parser_shapes._shared is not None
+    own, made = parser_shapes._shared.init, []
 
-    shared = SharedDropInfo(build)
-    mine, other = object(), object()
-    first, second = _Config(), _Config()
-    shared.add(mine)
-    assert [shared(first, mine), shared(first, mine), shared(second, mine), shared(first, mine)] == [1, 1, 2, 1]
-    assert built == [(first, mine), (second, mine)]
-    assert [shared(first, other), shared(first, other)] == [3, 4]  # not registered: vLLM's, every time
+    def init(engine: Any, config: Any, tokenizer: Any, initial_state: Any = None, vocab: Any = None) -> None:
+        made.append(config)
+        own(engine, config, tokenizer, initial_state=initial_state, vocab=vocab)
+
+    thinking, not_thinking = (
+        _engine_of(_parsers(stream_session(model, _request(model, body)))[0]).config for body in ({}, NO_THINKING)
+    )
+    assert thinking is not not_thinking
+    shared = SharedEngines(init)
+    shared.add(model.tokenizer)
+    for config in (thinking, thinking, not_thinking, thinking, not_thinking):
+        shared.make(engine.__new__(engine), config, model.tokenizer)
+    assert made == [thinking, not_thinking]
+    vocab = dict(model.tokenizer.get_vocab())  # not the tokenizer's own: vLLM's `__init__`, every time
+    for _ in range(2):
+        shared.make(engine.__new__(engine), thinking, model.tokenizer, vocab=vocab)
+    assert made == [thinking, not_thinking, thinking, thinking]
