@@ -238,3 +238,55 @@ async def test_stop_lets_open_calls_finish_within_the_grace_and_cancels_the_rest
     assert echo.cancelled == 1
     with pytest.raises(grpc.aio.AioRpcError):
         await _ask(_stream(channel), b"after the stop")
+
+
+# Envoy 1.40's first two ext_proc streams on one connection: the first block fills the dynamic
+# table; every later stream's block is the second, byte for byte.
+ENVOY_FIRST = bytes.fromhex(
+    "8304a560b5773fa5d05b3b98855cbe5315761c8bf7657c1e525b2a1d1aec390a841ec635d872150841862f94c55d8727"
+    "8640027465864d833505b11f5f8b1d75d0620d263d4c4d6564408cf2b16aee7f4b1aa496ca8747834d9697408bf2b4a7"
+    "b3c0ec90b22d29ec870be25c0b89717f"
+)
+ENVOY_NEXT = bytes.fromhex(
+    "8304a560b5773fa5d05b3b98855cbe5315761c8bf7657c1e525b2a1d1aec390a841ec635d8721508c286c1c0bfbe"
+)
+
+
+async def test_a_repeated_header_block_is_decoded_once_while_the_table_stays_as_it_was() -> None:
+    import hpack
+
+    from ext_proc.envoy_protocol.h2_server import HeaderBlocks
+
+    blocks, plain = HeaderBlocks(), hpack.Decoder()
+    decoded: list[bytes] = []
+    decode = blocks.decoder.decode
+    blocks.decoder.decode = lambda block, raw: decoded.append(block) or decode(block, raw=raw)  # type: ignore[method-assign]
+    for block in (ENVOY_FIRST, ENVOY_NEXT, ENVOY_NEXT, ENVOY_NEXT):
+        assert blocks.decode(block) == dict(plain.decode(block, raw=True))
+    assert blocks.decode(ENVOY_NEXT)[b":path"] == b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    assert decoded == [ENVOY_FIRST, ENVOY_NEXT]
+
+
+async def test_the_same_block_is_decoded_again_once_the_table_changed() -> None:
+    """An indexed field names whatever entry the table holds at its index now."""
+    import random
+
+    import hpack
+
+    from ext_proc.envoy_protocol.h2_server import HeaderBlocks
+
+    newest = b"\xbe"  # the dynamic table's newest entry (index 62)
+    encoder, blocks, plain = hpack.Encoder(), HeaderBlocks(), hpack.Decoder()
+    rng = random.Random(7)
+    seen = set()
+    for step in range(400):
+        if step % 50 == 49:
+            encoder.header_table_size = rng.choice([0, 64, 256, 4096])  # a size update in the next block
+        names = rng.sample([b"x-a", b"x-b", b"x-c", b":path", b"te"], rng.randint(1, 3))
+        headers = [(n, str(rng.randint(0, 5)).encode()) for n in names]
+        block = encoder.encode(headers) if rng.random() < 0.5 or not plain.header_table.dynamic_entries else newest
+        want = dict(plain.decode(block, raw=True))
+        assert blocks.decode(block) == want, step
+        if block == newest:
+            seen.add(tuple(want.items()))
+    assert len(seen) > 3  # the same bytes meant different fields as the table changed
