@@ -55,7 +55,11 @@ class SharedEngines:
     registered tokenizers; `init` is vLLM's own."""
 
     def __init__(self, init: Any) -> None:
+        from vllm.parser.engine.incremental_lexer import IncrementalLexer
+        from vllm.parser.engine.token_id_scanner import TokenIDScanner
+
         self.init = init
+        self._lexer, self._scanner = IncrementalLexer, TokenIDScanner  # what each engine gets anew
         self._tokenizers: set[Same] = set()
         self._prototypes = lru_cache(maxsize=CONFIGS_KEPT)(self._prototype)
 
@@ -69,15 +73,12 @@ class SharedEngines:
         if key not in self._tokenizers or (vocab is not None and vocab is not tokenizer.get_vocab()):
             self.init(engine, config, tokenizer, initial_state=initial_state, vocab=vocab)
             return
-        from vllm.parser.engine.incremental_lexer import IncrementalLexer
-        from vllm.parser.engine.token_id_scanner import TokenIDScanner
-
         prototype = self._prototypes(Same(config), key)
         engine.__dict__.update(prototype.__dict__)  # the derived fields (the state is set below)
         engine._resolved_token_ids = dict(prototype._resolved_token_ids)
-        engine._scanner = TokenIDScanner(engine._resolved_token_ids, tokenizer)
+        engine._scanner = self._scanner(engine._resolved_token_ids, tokenizer)
         lexer = prototype._lexer
-        engine._lexer = IncrementalLexer(lexer._shape, content_terminal=lexer.content_terminal)
+        engine._lexer = self._lexer(lexer._shape, content_terminal=lexer.content_terminal)
         engine.skip_tool_parsing = False
         engine.skip_reasoning_parsing = False
         engine.reset(initial_state=initial_state)

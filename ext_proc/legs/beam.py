@@ -148,7 +148,8 @@ class BeamSearch:
         if self._record is not None:
             self._trace = self._record.leg(leg.lease_id, leg.hosts, "owned")
         prompt_ids = list(leg.prompt.engine_ids)
-        beams, completed = [Beam(prompt_ids)], list[Beam]()
+        beams: list[Beam] = [Beam(prompt_ids)]
+        completed: list[Beam] = []
         for _ in range(leg.max_tokens):
             steps = await self._steps(prompt, beams, 2 * search.width, search.temperature)
             beams = search.advance(beams, steps, completed)
