@@ -74,6 +74,8 @@ def _compiled(path: str) -> re.Pattern[str]:
     return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
+# The handlers of Anthropic's API, whose errors are in its envelope, not OpenAI's.
+ANTHROPIC_HANDLERS = frozenset({"messages", "messages_count_tokens"})
 DEFAULT_ROUTES = [
     PublicRoute(method="POST", path="/v1/chat/completions", handler="chat"),
     PublicRoute(method="POST", path="/v1/completions", handler="completions"),
@@ -116,6 +118,14 @@ class ListenerConfig(Section):
         if len(set(keys)) != len(keys) or any(not r.path.startswith("/") for r in self.routes):
             raise ValueError("listener.routes: each method+path once, paths starting with '/'")
         return self
+
+    @property
+    def anthropic_paths(self) -> str | None:
+        """A regular expression (RE2) of the request paths, query string included, under the
+        Anthropic Messages routes: Envoy's own replies there are in Anthropic's envelope. None:
+        no such route."""
+        paths = sorted({r.pattern for r in self.routes if r.handler in ANTHROPIC_HANDLERS})
+        return f"^({'|'.join(paths)})([/?].*)?$" if paths else None
 
     def handler(self, method: str, path: str) -> str | None:
         """Who answers this request (query string ignored, as in Envoy's path match)."""

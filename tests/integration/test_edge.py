@@ -138,6 +138,28 @@ def test_non_public_paths_get_an_openai_error_and_reach_nothing(
     assert [r.path for sim in gw.sims for r in sim.received] == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/messages", 405),
+        ("GET", "/v1/messages?beta=true", 405),
+        ("GET", "/v1/messages/count_tokens", 405),
+        ("POST", "/v1/messages/batches", 404),
+    ],
+)
+def test_envoys_own_replies_under_anthropic_messages_are_in_its_envelope(
+    gw: SimGateway, method: str, path: str, status: int
+) -> None:
+    code, body = _raw(gw, method, path, b"{}" if method == "POST" else b"")
+    assert code == status
+    error = orjson.loads(body)
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+    # an OpenAI route next to it keeps OpenAI's envelope
+    code, body = _raw(gw, method, "/v1/messagesX" if method == "POST" else "/v1/responses")
+    assert _error(body)["type"] == "invalid_request_error"
+
+
 def test_paths_are_normalized_before_routing(gw: SimGateway) -> None:
     code, body = _raw(gw, "POST", "//v1//chat/./completions", orjson.dumps(CHAT))
     assert code == 200 and orjson.loads(body)["object"] == "chat.completion"

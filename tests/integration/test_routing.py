@@ -169,6 +169,14 @@ def test_fail_closed_when_engine_or_processor_is_down(stack: RunningStack, tmp_p
             "code": 503,
         }
         assert elapsed < 1.0, f"fail-closed answer took {elapsed:.2f}s"
+        # the same reply under Anthropic's Messages, in its envelope
+        anthropic = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+        closed = httpx.post(gateway.base_url + "/v1/messages", json=anthropic, timeout=10, trust_env=False)
+        assert closed.status_code == 503
+        assert closed.json() == {
+            "type": "error",
+            "error": {"type": "server_error", "message": "the gateway could not complete the request"},
+        }
     finally:
         gateway.gateway.stop()
         for server in servers:
