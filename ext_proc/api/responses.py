@@ -35,7 +35,6 @@ NO_STORE = (
     "To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` "
     "when launching the vLLM server."
 )
-BUILT_IN_TOOLS = "built-in tools ({}) are not served through the gateway: only function tools are"
 BACKGROUND = "background mode is not served by the gateway: ask without `background`"
 
 
@@ -134,9 +133,6 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
         raise GatewayError(400, "invalid request", body=body) from exc
     request.request_id = f"resp_{request_id}"
     _refuse_unserved(request, store)
-    built_in = sorted({tool.type for tool in request.tools if tool.type != "function"})
-    if built_in:
-        raise GatewayError(400, BUILT_IN_TOOLS.format(", ".join(built_in)), param="tools", code="unsupported_tool")
     request.store = request.store and store
     return request
 

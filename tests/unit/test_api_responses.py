@@ -166,11 +166,10 @@ def test_the_completions_request_inside_carries_renders_params_and_asks_for_usag
     [
         ({"background": True}, 400, "background"),
         ({"previous_response_id": "resp_1"}, 404, "response_id"),
-        ({"tools": [{"type": "web_search_preview"}]}, 400, "tools"),
         ({"input": 5}, 400, None),
     ],
 )
-def test_what_needs_a_store_or_a_tool_server_is_refused(
+def test_what_native_refuses_without_a_store_is_refused(
     serving: Any, body: dict[str, Any], status: int, param: str | None
 ) -> None:
     with pytest.raises(GatewayError) as refused:
@@ -186,6 +185,13 @@ def test_what_needs_a_store_or_a_tool_server_is_refused(
             "param": "response_id",
             "code": 404,
         }
+
+
+def test_built_in_tools_are_kept_as_a_stock_engine_keeps_them() -> None:
+    """Native without a tool server renders only the function tools and echoes them all."""
+    tools = [{"type": "web_search_preview"}, {"type": "function", "name": "f", "parameters": {}}]
+    client = _client({"tools": tools})
+    assert [tool.type for tool in client.tools] == ["web_search_preview", "function"]
 
 
 def test_with_a_store_only_background_is_refused_and_store_is_kept() -> None:

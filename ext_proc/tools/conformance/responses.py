@@ -201,6 +201,8 @@ SPECS: list[tuple[str, Json, tuple[Expect, ...]]] = [
     ("tool-required", _forced("Paris", tool_choice="required"), ()),
     ("tool-named", _forced("Paris", tool_choice={"type": "function", "name": "get_weather"}), ()),
     ("tool-none", _ask(ENGLISH, 10, tools=[TOOL], tool_choice="none", **NO_THINK), (HAS_TEXT,)),
+    # a stock engine has no tool server: built-in tools are listed, not rendered, not run
+    ("built-in-tools", _ask(ENGLISH, 8, tools=[{"type": "web_search_preview"}], **NO_THINK), ()),
     ("tool-result", _ask(HISTORY, 10, tools=[TOOL], **NO_THINK), ()),
     ("logprobs", _ask(ENGLISH, 12, include=[LOGPROBS], **NO_THINK), (HAS_LOGPROBS,)),
     ("top-logprobs", _ask(ENGLISH, 12, include=[LOGPROBS], top_logprobs=3, **NO_THINK), (HAS_LOGPROBS,)),
