@@ -76,7 +76,7 @@ async def refused_by(model: Any, raw: bytes) -> Local | None:
     except ValidationError as exc:
         return Local(400, await validation_error(exc))
     except VLLMClientError as exc:
-        return await _handled_exception(exc)
+        return await handled_exception(exc)
     return None
 
 
@@ -99,7 +99,7 @@ async def _handled(errors: list[Any]) -> bytes:
     return bytes(response.body)
 
 
-async def _handled_exception(exc: Exception) -> Local:
+async def handled_exception(exc: Exception) -> Local:
     """What vLLM's exception handler answers for an exception of the route."""
     from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
 

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from ext_proc.api.body import refused_by, validation_error
+from ext_proc.api.body import handled_exception, refused_by, validation_error
 from ext_proc.api.conversations import Conversations, native_error
 from ext_proc.api.responses_answer import ResponsesServing, Turn
 from ext_proc.api.responses_history import dumps, history_items, listed_items, turn_messages
@@ -124,13 +124,17 @@ async def responses_request(raw: bytes, request_id: str, store: bool) -> Any:
     objects, in place.)"""
     require("the Responses API (vLLM's request model)", PROCESSOR, "vllm")
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.exceptions import VLLMClientError
 
     try:
         request = ResponsesRequest.model_validate_json(raw)
     except ValidationError as exc:  # native's words are those of its validation (`refused_by`)
-        native = await refused_by(ResponsesRequest, raw)
-        body = native.body if native is not None else await validation_error(exc)
-        raise GatewayError(400, "invalid request", body=body) from exc
+        native = await refused_by(ResponsesRequest, raw) or Local(400, await validation_error(exc))
+        raise GatewayError(native.status, "invalid request", body=native.body) from exc
+    except VLLMClientError as exc:  # a validator of the model's own (`tool_choice` naming no
+        # tool): native's exception handler answers it, not a 500
+        native = await handled_exception(exc)
+        raise GatewayError(native.status, "invalid request", body=native.body) from exc
     request.request_id = f"resp_{request_id}"
     _refuse_unserved(request, store)
     request.store = request.store and store

@@ -187,6 +187,33 @@ def test_what_native_refuses_without_a_store_is_refused(
         }
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tool_choice": "required"}, "Tool choice 'required' must be specified with 'tools' parameter."),
+        (
+            {
+                "tools": [{"type": "function", "name": "f", "parameters": {}}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            "Tool choice 'function' not found in 'tools' parameter.",
+        ),
+    ],
+)
+def test_a_tool_choice_the_models_own_validator_refuses_is_natives_400(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(GatewayError) as refused:
+        _client(body)
+    assert refused.value.status == 400
+    assert orjson.loads(refused.value.body) == {
+        "error": {
+            "message": f"{message} (parameter=tool_choice)",
+            "type": "BadRequestError",
+            "param": "tool_choice",
+            "code": 400,
+        }
+    }
+
+
 def test_built_in_tools_are_kept_as_a_stock_engine_keeps_them() -> None:
     """Native without a tool server renders only the function tools and echoes them all."""
     tools = [{"type": "web_search_preview"}, {"type": "function", "name": "f", "parameters": {}}]

@@ -225,6 +225,12 @@ CASES: list[ResponsesCase] = in_both_modes(ResponsesCase, "responses", SPECS) + 
         (HAS_REASONING, HAS_LOGPROBS),
     ),
     ResponsesCase("responses-error-no-input", {"max_output_tokens": 4}, (http_status(400),)),
+    ResponsesCase("responses-error-tool-choice-no-tools", _ask("hi", 4, tool_choice="required"), (http_status(400),)),
+    ResponsesCase(
+        "responses-error-tool-choice-unknown",
+        _ask("hi", 4, tools=[TOOL], tool_choice={"type": "function", "name": "nope"}),
+        (http_status(400),),
+    ),
     ResponsesCase("responses-error-unknown-model", {**_ask("hi", 4), "model": "no-such-model"}, (http_status(404),)),
     ResponsesCase("responses-error-too-long", _ask("hi " * 5000, 4), (http_status(400),)),
     ResponsesCase("responses-error-too-long-stream", _ask("hi " * 5000, 4), (http_status(400),), stream=True),
