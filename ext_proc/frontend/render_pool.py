@@ -47,6 +47,9 @@ SLOW_CHECK_S = 1.0  # how often an endpoint's p99 is compared with its budget
 SLOW_WARN_S = 30.0  # and how often a slow endpoint is warned about
 EWMA_ALPHA = 0.2
 COMPARABLE = 2.0  # expected waits within this factor of the least count as equal (round robin)
+# A latency not measured again for this long counts as unmeasured: an endpoint slow once (a
+# cold start, a pause) would otherwise stay out of the turns, as only its renders update it.
+LATENCY_STALE_S = 10.0
 HEALTH_REQUEST_ID = "tito-render-health"  # the request id of a health render (proxies let it pass)
 
 
@@ -62,16 +65,22 @@ class RenderMember:
     in_flight: int = 0
     outstanding_bytes: int = 0
     latency_s: float = 0.0  # EWMA of its renders (0: not measured yet)
+    measured_at: float = float("-inf")  # the pool's clock at its last render
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     outcomes: Counter[str] = field(default_factory=Counter)  # ok | rejected | <failure reason> | retried
     next_slow_check: float = 0.0
     warned_at: float = float("-inf")
     prefix_cache: PrefixTokenCache | None = None  # in-process render's (render_prefix_cache.py)
 
-    def expected_wait(self, request_bytes: int, unmeasured_s: float) -> float:
+    def latency(self, now: float) -> float:
+        """Its render latency, 0 when unmeasured or stale (`LATENCY_STALE_S`)."""
+        return self.latency_s if now - self.measured_at <= LATENCY_STALE_S else 0.0
+
+    def expected_wait(self, request_bytes: int, unmeasured_s: float, now: float) -> float:
         """Its outstanding bytes plus these, times its render latency (`unmeasured_s` until
-        it has rendered: a new endpoint counts as an average one, not as an instant one)."""
-        return (self.outstanding_bytes + request_bytes) * (self.latency_s or unmeasured_s)
+        it has rendered, or again once that is stale: an endpoint not measured lately counts as
+        an average one, not as an instant one nor as the slow one it once was)."""
+        return (self.outstanding_bytes + request_bytes) * (self.latency(now) or unmeasured_s)
 
     def quantile_ms(self, q: float) -> float | None:
         if not self.latencies:
@@ -167,9 +176,9 @@ class RenderPool:
         candidates = [m for m in ordered if m not in tried and not m.held_out]
         closed = [m for m in candidates if m.breaker.state is BreakerState.CLOSED]
         if closed:
-            measured = [m.latency_s for m in self.members if m.latency_s > 0]
+            measured = [latency for m in self.members if (latency := m.latency(now)) > 0]
             unmeasured_s = sum(measured) / len(measured) if measured else 0.0
-            waits = [m.expected_wait(request_bytes, unmeasured_s) for m in closed]
+            waits = [m.expected_wait(request_bytes, unmeasured_s, now) for m in closed]
             # Latencies are noisy: endpoints within COMPARABLE of the best take turns.
             best = min(waits)
             return next(m for m, wait in zip(closed, waits, strict=True) if wait <= COMPARABLE * best)
@@ -206,9 +215,10 @@ class RenderPool:
             member.breaker.record_failure(self._clock())
             return
         member.breaker.record_success()
-        member.latency_s = (
-            seconds if member.latency_s == 0 else member.latency_s + EWMA_ALPHA * (seconds - member.latency_s)
-        )
+        now = self._clock()
+        previous = member.latency(now)
+        member.latency_s = seconds if previous == 0 else previous + EWMA_ALPHA * (seconds - previous)
+        member.measured_at = now
         member.latencies.append(seconds)
         self._check_slow(member)
 

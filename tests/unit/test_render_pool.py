@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from ext_proc.frontend.render import RenderRejected, RenderUnavailable
-from ext_proc.frontend.render_pool import RenderPool, pool_member
+from ext_proc.frontend.render_pool import LATENCY_STALE_S, RenderPool, pool_member
 from ext_proc.protocol import OpenAIRequest, Pipeline, PromptTokens, TokenizedRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -137,6 +137,25 @@ def test_an_endpoint_that_rejoins_takes_its_turns_again_whatever_it_measured_bef
     for i in range(6):
         _render(pool, f"after{i}")
     assert len(b.calls) >= 2  # its turns (3 of 6 when both take the same time)
+
+
+def test_an_endpoint_slow_once_takes_its_turns_again_once_that_is_stale() -> None:
+    """One slow render (a cold start, a pause) keeps an endpoint out of the turns only while
+    that measure is recent: after `LATENCY_STALE_S` it counts as an average endpoint again."""
+    clock = Clock()
+    a, b = Scripted(delay_s=0.002), Scripted(delay_s=0.1)
+    pool = _pool(a, b, clock=clock)
+    pool._turn = 1
+    _render(pool, "slow")  # b: 100 ms once, where a takes 2
+    b.delay_s = 0.002
+    b.calls.clear()
+    for i in range(4):
+        _render(pool, f"recent{i}")
+    assert b.calls == []  # its one measure is recent: a is the faster one by far
+    clock.now += LATENCY_STALE_S + 0.1
+    for i in range(6):
+        _render(pool, f"later{i}")
+    assert len(b.calls) >= 2  # its turns again (3 of 6 when both take the same time)
 
 
 def test_a_rejected_request_is_not_retried_and_counts_no_failure() -> None:
